@@ -1,0 +1,56 @@
+"""Where sandlot keeps its state, and the settings read from the environment.
+
+``$SANDLOT_HOME`` (default ``~/.local/share/sandlot``) holds the SQLite database, the
+receipt-signing keys, and each backend's state under ``backends/<name>/``. This module imports
+nothing from sandlot.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["backend_dir", "cache_dir", "default_database_url", "home"]
+
+
+def home(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The state directory: ``explicit``, else ``$SANDLOT_HOME``, else ``~/.local/share/sandlot``.
+
+    Created (mode 0700) if missing.
+    """
+    if explicit is not None:
+        path = Path(explicit)
+    elif os.environ.get("SANDLOT_HOME"):
+        path = Path(os.environ["SANDLOT_HOME"])
+    else:
+        data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        path = Path(data) / "sandlot"
+    path = path.expanduser().absolute()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def backend_dir(home_dir: Path, backend: str) -> Path:
+    """A backend's own state directory under the home."""
+    path = home_dir / "backends" / backend
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def cache_dir() -> Path:
+    """Built artifacts shared by every home on the host (root filesystems, guest images).
+
+    ``$SANDLOT_CACHE``, else ``~/.cache/sandlot``; entries are keyed by a hash of their inputs,
+    so sharing them between homes and CI runs is safe.
+    """
+    raw = os.environ.get("SANDLOT_CACHE") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sandlot"
+    )
+    path = Path(raw).expanduser().absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_database_url(home_dir: Path) -> str:
+    """``$SANDLOT_DATABASE_URL``, else the SQLite file in the home."""
+    return os.environ.get("SANDLOT_DATABASE_URL") or f"sqlite:///{home_dir / 'sandlot.db'}"

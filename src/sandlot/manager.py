@@ -1,0 +1,1085 @@
+"""The Manager: the one place that composes store, backends, channels and the policy gate.
+
+It owns the lifecycle state machine (DESIGN.md)::
+
+    create ─► provisioning ─► setting_up ─► starting ─► running ◄──► stopping ─► stopped
+                                                            ▲                       │
+                                                            └──────── resuming ◄────┘
+    any ─► destroying ─► destroyed                  failures ─► failed
+
+Every status change is a compare-and-set on the record's ``version``, so several processes
+(or hosts, on PostgreSQL) can drive the same sandboxes: when many requests find a sandbox
+stopped, exactly one wins the ``stopped -> resuming`` update and resumes it; the others wait
+for the transition (bounded by ``transition_timeout``) and then proceed. A transition whose
+driver died is *abandoned*: its owner process is gone (same host) or its deadline passed, and
+``reconcile`` (or the next waiter) settles it.
+
+Front ends (SDK, CLI, HTTP, MCP) call the Manager and nothing below it. The Manager never
+imports a concrete backend; it gets them by name from the caller.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, TypeVar, final
+
+import anyio
+
+from sandlot.backends.base import Backend, SnapshotRef
+from sandlot.channel.base import MAIN_LOG, Channel, OutputCallback, Stdin
+from sandlot.errors import (
+    BackendError,
+    Conflict,
+    ExecFailed,
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    NotSupported,
+    SandboxError,
+    SandboxTimeout,
+)
+from sandlot.models import (
+    LOCAL_ACTOR,
+    Actor,
+    Command,
+    CommandSpec,
+    DeathCertificate,
+    ExecResult,
+    FileInfo,
+    OutputChunk,
+    PortMapping,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStatus,
+    SnapshotInfo,
+    new_id,
+    utcnow,
+)
+from sandlot.store.base import SandboxQuery
+
+if TYPE_CHECKING:
+    from sandlot.store.base import Store
+
+__all__ = ["Manager", "ReconcileReport", "command_argv"]
+
+S = SandboxStatus
+T = TypeVar("T")
+LAST_LINES = 20
+"""How many lines of output a death certificate keeps."""
+
+
+def command_argv(command: Command | Sequence[str]) -> tuple[list[str], str | None, dict[str, str]]:
+    """A command as ``(argv, cwd, env)``: strings run under ``sh -c``, lists are an argv."""
+    if isinstance(command, str):
+        return ["sh", "-c", command], None, {}
+    if isinstance(command, CommandSpec):
+        return command.argv(), command.cwd, dict(command.env)
+    argv = list(command)
+    if not argv:
+        msg = "command: an empty argv"
+        raise InvalidRequest(msg)
+    return argv, None, {}
+
+
+@dataclass
+class ReconcileReport:
+    """What ``reconcile`` changed."""
+
+    checked: int = 0
+    updated: dict[str, str] = field(default_factory=dict)
+    """Sandbox id -> what happened (``running -> stopped (oom)``, …)."""
+    reaped: builtins.list[str] = field(default_factory=list)
+    """Backend sandboxes with our mark but no record, destroyed."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Backends or sandboxes that could not be checked, and why."""
+
+
+class _Tail:
+    """Keeps the last lines of a stream of output chunks (for death certificates)."""
+
+    def __init__(self, keep: int = LAST_LINES) -> None:
+        self.keep = keep
+        self.buffer = b""
+
+    def feed(self, data: bytes) -> None:
+        self.buffer = (self.buffer + data)[-16384:]
+
+    def lines(self) -> builtins.list[str]:
+        text = self.buffer.decode(errors="replace")
+        return text.splitlines()[-self.keep :]
+
+
+@final
+class Manager:
+    """Drives sandboxes through their lifecycle on a store and a set of backends.
+
+    Args:
+        store: Where records live.
+        backends: Backends by name; new sandboxes go to ``default_backend`` unless asked.
+        default_backend: The name of the backend for new sandboxes.
+        transition_timeout: How long a request waits for another's transition (seconds).
+        create_timeout: After this, a creation in flight counts as abandoned (seconds).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        backends: Mapping[str, Backend],
+        *,
+        default_backend: str,
+        transition_timeout: float = 120.0,
+        create_timeout: float = 3600.0,
+    ) -> None:
+        if default_backend not in backends:
+            msg = f"default backend {default_backend!r} is not among {sorted(backends)}"
+            raise InvalidRequest(msg)
+        self.store = store
+        self.backends = backends
+        self.default_backend = default_backend
+        self.transition_timeout = transition_timeout
+        self.create_timeout = create_timeout
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._channels: dict[str, tuple[str, Channel]] = {}
+        self._used: dict[str, Backend] = {}
+
+    # -- records ----------------------------------------------------------------------------
+
+    async def get(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
+        """One sandbox's record (``NotFound`` names the id)."""
+        return await self.store.get(sandbox_id, tenant=None if actor.admin else actor.tenant)
+
+    async def list(
+        self,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        labels: Mapping[str, str] | None = None,
+        status: SandboxStatus | Sequence[SandboxStatus] | None = None,
+        backend: str | None = None,
+        owner: str | None = None,
+        include_destroyed: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> builtins.list[SandboxInfo]:
+        """Sandboxes, newest first; destroyed ones only when asked."""
+        statuses = None
+        if status is not None:
+            statuses = frozenset([status] if isinstance(status, SandboxStatus) else status)
+        return await self.store.list(
+            SandboxQuery(
+                tenant=None if actor.admin else actor.tenant,
+                owner=owner,
+                labels=dict(labels or {}),
+                statuses=statuses,
+                backend=backend,
+                include_destroyed=include_destroyed,
+                limit=limit,
+                offset=offset,
+            )
+        )
+
+    # -- create -----------------------------------------------------------------------------
+
+    async def create(
+        self,
+        spec: SandboxSpec,
+        *,
+        backend: str | None = None,
+        actor: Actor = LOCAL_ACTOR,
+        on_setup_output: OutputCallback | None = None,
+    ) -> SandboxInfo:
+        """Provision a sandbox, clone its repository, run its setup and start its main process.
+
+        A failing step leaves the sandbox ``failed`` with a death certificate and keeps the
+        backend's sandbox for inspection; the error is raised.
+        """
+        name = backend or self.default_backend
+        impl = self._backend(name)
+        self._check_capabilities(impl, spec)
+        now = utcnow()
+        sb = SandboxInfo(
+            id=new_id("sb"),
+            backend=name,
+            status=S.PROVISIONING,
+            spec=spec,
+            tenant=actor.tenant,
+            created_at=now,
+            updated_at=now,
+            last_active_at=now,
+            expires_at=now + timedelta(seconds=spec.timeout) if spec.timeout else None,
+            transition_owner=self.instance,
+            transition_deadline=now + timedelta(seconds=self.create_timeout),
+        )
+        sb = await self.store.insert(sb)
+        # The record exists before the backend is asked, so a crash in between leaves a record
+        # that reconcile settles, never a backend sandbox nobody knows about.
+        try:
+            ref = await impl.create(sb.id, spec)
+        except SandboxError as e:
+            await self._fail(sb, "backend_error", f"backend create failed: {e}")
+            raise
+        sb = await self._cas(sb, status=S.SETTING_UP, backend_ref=ref)
+        tail = _Tail()
+
+        async def setup_output(chunk: OutputChunk) -> None:
+            tail.feed(chunk.data)
+            if on_setup_output is not None:
+                result = on_setup_output(chunk)
+                if result is not None:
+                    await result
+
+        try:
+            channel = await self._channel(sb)
+            await channel.mkdir(spec.workdir)
+            if spec.git is not None:
+                await self._clone(sb, channel, setup_output, tail)
+            for i, step in enumerate(spec.setup_steps()):
+                result = await self._run(sb, channel, step, setup_output)
+                if result.exit_code != 0:
+                    msg = f"setup step {i + 1} exited with {result.exit_code}"
+                    await self._fail(sb, "setup_failed", msg, tail.lines())
+                    raise ExecFailed(msg, result)
+            sb = await self._cas(sb, status=S.STARTING, setup_done=True)
+            if spec.start is not None:
+                await self._launch_main(sb, channel, spec.start)
+            sb = await self._cas(
+                sb, status=S.RUNNING, transition_owner=None, transition_deadline=None
+            )
+        except Conflict:
+            current = await self.store.get(sb.id)
+            msg = f"sandbox {sb.id} was {current.status} while being created"
+            raise InvalidState(msg, id=sb.id) from None
+        except ExecFailed:
+            raise
+        except SandboxError as e:
+            await self._fail(sb, "backend_error", str(e), tail.lines())
+            raise
+        for port in spec.ports:
+            sb = await self._expose(sb, port)
+        return sb
+
+    def _check_capabilities(self, impl: Backend, spec: SandboxSpec) -> None:
+        """Refuse, before anything is made, what the backend could not enforce."""
+        caps = impl.capabilities()
+        kind = spec.network if isinstance(spec.network, str) else "allowlist"
+        if kind not in caps.network:
+            msg = (
+                f"backend {impl.name!r} cannot enforce network policy {kind!r} "
+                f"(it enforces: {', '.join(sorted(caps.network)) or 'none'})"
+            )
+            raise NotSupported(msg)
+        asked = {k for k, v in spec.resources.model_dump().items() if v is not None}
+        missing = asked - caps.limits
+        if missing:
+            msg = f"backend {impl.name!r} cannot enforce resource limits: {', '.join(sorted(missing))}"
+            raise NotSupported(msg)
+        if spec.image is not None and not caps.images:
+            msg = f"backend {impl.name!r} does not support images"
+            raise NotSupported(msg)
+        if spec.ports and not caps.ports:
+            msg = f"backend {impl.name!r} cannot expose ports"
+            raise NotSupported(msg)
+
+    async def _clone(
+        self, sb: SandboxInfo, channel: Channel, on_output: OutputCallback, tail: _Tail
+    ) -> None:
+        git = sb.spec.git
+        assert git is not None
+        env = {"GIT_TERMINAL_PROMPT": "0"}
+        if git.auth:
+            # Passed through the environment for this one command: it is never written into the
+            # repository's config and never appears in an argv.
+            env |= {
+                "GIT_CONFIG_COUNT": "1",
+                "GIT_CONFIG_KEY_0": "http.extraHeader",
+                "GIT_CONFIG_VALUE_0": f"Authorization: {git.auth}",
+            }
+        depth = ["--depth", str(git.depth)] if git.depth else []
+        workdir = sb.spec.workdir
+        steps: list[list[str]] = [["git", "clone", *depth, "--", git.url, workdir]]
+        if git.revision:
+            steps += [
+                ["git", "-C", workdir, "fetch", *depth, "origin", git.revision],
+                ["git", "-C", workdir, "checkout", "-q", "FETCH_HEAD"],
+            ]
+        for argv in steps:
+            result = await channel.exec(argv, cwd="/", env=self._env(sb, env), on_output=on_output)
+            if result.exit_code != 0:
+                msg = (
+                    f"git {argv[1] if argv[1] != '-C' else argv[3]} exited with {result.exit_code}"
+                )
+                await self._fail(sb, "git_failed", msg, tail.lines())
+                raise ExecFailed(msg, result)
+
+    async def _launch_main(self, sb: SandboxInfo, channel: Channel, command: Command) -> None:
+        argv, cwd, env = command_argv(command)
+        await channel.start_process(
+            argv,
+            cwd=cwd or sb.spec.workdir,
+            env=self._env(sb, env),
+            name="main",
+            log_path=MAIN_LOG,
+        )
+
+    # -- commands and files -----------------------------------------------------------------
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        command: Command | Sequence[str],
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: Stdin = None,
+        on_output: OutputCallback | None = None,
+        check: bool = False,
+        auto_resume: bool = True,
+    ) -> ExecResult:
+        """Run a command to completion; output streams to ``on_output`` and is collected.
+
+        ``check=True`` raises ``ExecFailed`` (carrying the result) on a non-zero exit.
+        """
+        if timeout is not None and timeout <= 0:
+            msg = f"timeout must be positive, got {timeout}"
+            raise InvalidRequest(msg)
+        if cwd is not None and not cwd.startswith("/"):
+            msg = f"cwd must be an absolute path, got {cwd!r}"
+            raise InvalidRequest(msg)
+        sb = await self._ready(sandbox_id, actor, auto_resume)
+        argv, spec_cwd, spec_env = command_argv(command)
+        channel = await self._channel(sb)
+        result = await self._channel_call(
+            sb,
+            channel.exec(
+                argv,
+                cwd=cwd or spec_cwd or sb.spec.workdir,
+                env=self._env(sb, spec_env | dict(env or {})),
+                timeout=timeout,
+                stdin=stdin,
+                on_output=on_output,
+            ),
+        )
+        await self.store.touch(sb.id, utcnow())
+        if check and result.exit_code != 0:
+            msg = f"command exited with {result.exit_code}: {' '.join(argv)[:200]}"
+            raise ExecFailed(msg, result)
+        return result
+
+    async def read_file(
+        self, sandbox_id: str, path: str, *, actor: Actor = LOCAL_ACTOR, auto_resume: bool = True
+    ) -> bytes:
+        """A whole file's bytes (for large files use :meth:`stream_file`)."""
+        return b"".join(
+            [
+                c
+                async for c in self.stream_file(
+                    sandbox_id, path, actor=actor, auto_resume=auto_resume
+                )
+            ]
+        )
+
+    async def stream_file(
+        self, sandbox_id: str, path: str, *, actor: Actor = LOCAL_ACTOR, auto_resume: bool = True
+    ) -> AsyncIterator[bytes]:
+        """A file's bytes in chunks."""
+        _check_path(path)
+        sb = await self._ready(sandbox_id, actor, auto_resume)
+        channel = await self._channel(sb)
+        async for chunk in channel.read_file(path):
+            yield chunk
+        await self.store.touch(sb.id, utcnow())
+
+    async def write_files(
+        self,
+        sandbox_id: str,
+        files: Mapping[str, bytes | str],
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        mode: int | None = None,
+        auto_resume: bool = True,
+    ) -> builtins.list[FileInfo]:
+        """Create or replace files (parents are made); strings are written as UTF-8."""
+        for path in files:
+            _check_path(path)
+        sb = await self._ready(sandbox_id, actor, auto_resume)
+        channel = await self._channel(sb)
+        infos = []
+        for path, data in files.items():
+            body = data.encode() if isinstance(data, str) else data
+            infos.append(await self._channel_call(sb, channel.write_file(path, body, mode=mode)))
+        await self.store.touch(sb.id, utcnow())
+        return infos
+
+    async def list_files(
+        self, sandbox_id: str, path: str, *, actor: Actor = LOCAL_ACTOR, auto_resume: bool = True
+    ) -> builtins.list[FileInfo]:
+        """A directory's entries."""
+        _check_path(path)
+        sb = await self._ready(sandbox_id, actor, auto_resume)
+        channel = await self._channel(sb)
+        return await self._channel_call(sb, channel.list_files(path))
+
+    async def remove_file(
+        self,
+        sandbox_id: str,
+        path: str,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        recursive: bool = False,
+        auto_resume: bool = True,
+    ) -> None:
+        """Remove a file (or a tree with ``recursive``)."""
+        _check_path(path)
+        sb = await self._ready(sandbox_id, actor, auto_resume)
+        channel = await self._channel(sb)
+        await self._channel_call(sb, channel.remove(path, recursive=recursive))
+
+    async def logs(
+        self,
+        sandbox_id: str,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        follow: bool = False,
+        offset: int = 0,
+        auto_resume: bool = True,
+    ) -> AsyncIterator[bytes]:
+        """The main process's output log, from byte ``offset``; ``follow`` keeps tailing."""
+        sb = await self._ready(sandbox_id, actor, auto_resume)
+        channel = await self._channel(sb)
+        try:
+            async for chunk in channel.follow_file(MAIN_LOG, offset=offset, follow=follow):
+                yield chunk
+        except NotFound:
+            return
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def stop(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
+        """End every process in the sandbox and keep its filesystem."""
+        return await self._stop(
+            await self.get(sandbox_id, actor=actor), "stopped", "stopped by request"
+        )
+
+    async def _stop(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
+        sb = await self._settled(sb)
+        if sb.status in (S.STOPPED, S.FAILED):
+            return sb
+        if sb.status is S.DESTROYED:
+            msg = f"sandbox {sb.id} is destroyed"
+            raise InvalidState(msg, id=sb.id)
+        last = await self._last_output(sb)
+        sb = await self._begin(sb, {S.RUNNING}, S.STOPPING)
+        impl = self._backend(sb.backend)
+        try:
+            if sb.backend_ref is not None:
+                await impl.stop(sb.backend_ref)
+        except SandboxError as e:
+            await self._fail(sb, "backend_error", f"stop failed: {e}", last)
+            raise
+        finally:
+            await self._drop_channel(sb.id)
+        return await self._cas(
+            sb,
+            status=S.STOPPED,
+            transition_owner=None,
+            transition_deadline=None,
+            death=DeathCertificate(cause=cause, message=message, last_output=last),
+        )
+
+    async def resume(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
+        """Boot a stopped sandbox and relaunch its ``resume`` command; retry a failed one
+        (without running setup again)."""
+        sb = await self._settled(await self.get(sandbox_id, actor=actor))
+        if sb.status is S.RUNNING:
+            return sb
+        if sb.status not in (S.STOPPED, S.FAILED):
+            msg = f"sandbox {sb.id} is {sb.status} and cannot be resumed"
+            raise InvalidState(msg, id=sb.id)
+        try:
+            sb = await self._begin(sb, {S.STOPPED, S.FAILED}, S.RESUMING)
+        except Conflict:
+            return await self._ready(sb.id, actor, auto_resume=False)
+        return await self._do_resume(sb)
+
+    async def _do_resume(self, sb: SandboxInfo) -> SandboxInfo:
+        impl = self._backend(sb.backend)
+        await self._drop_channel(sb.id)
+        try:
+            if sb.backend_ref is None:
+                # Creation failed before the backend answered: try to make it again. The
+                # backend derives names from the id, so an earlier half-made one is adopted.
+                ref = await impl.create(sb.id, sb.spec)
+                sb = await self._cas(sb, backend_ref=ref)
+            else:
+                state = await impl.inspect(sb.backend_ref)
+                if state.state == "running":
+                    await impl.stop(sb.backend_ref)
+                elif state.state == "missing":
+                    await self._fail(sb, "vanished", "the backend no longer has this sandbox")
+                    msg = f"sandbox {sb.id} vanished from backend {sb.backend}"
+                    raise InvalidState(msg, id=sb.id)
+                await impl.start(sb.backend_ref, sb.spec)
+            channel = await self._channel(sb)
+            command = sb.spec.resume_command()
+            if command is not None:
+                await self._launch_main(sb, channel, command)
+        except InvalidState:
+            raise
+        except SandboxError as e:
+            await self._fail(sb, "backend_error", f"resume failed: {e}")
+            raise
+        return await self._cas(
+            sb,
+            status=S.RUNNING,
+            transition_owner=None,
+            transition_deadline=None,
+            error=None,
+            last_active_at=utcnow(),
+        )
+
+    async def destroy(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
+        """Remove the sandbox from its backend. The record stays (hidden from ``list``) with a
+        death certificate; destroying twice is fine."""
+        sb = await self.get(sandbox_id, actor=actor)
+        return await self._destroy(sb, "destroyed", "destroyed by request")
+
+    async def _destroy(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
+        while True:
+            if sb.status is S.DESTROYED:
+                return sb
+            last = await self._last_output(sb) if sb.status is S.RUNNING else []
+            if sb.death is not None and not last:
+                last = sb.death.last_output
+            try:
+                # Destroy preempts any transition: a creator or resumer sees its next
+                # compare-and-set fail and stops.
+                sb = await self._cas(
+                    sb,
+                    status=S.DESTROYING,
+                    transition_owner=self.instance,
+                    transition_deadline=utcnow() + timedelta(seconds=self.transition_timeout),
+                )
+                break
+            except Conflict:
+                sb = await self.store.get(sb.id)
+        await self._drop_channel(sb.id)
+        impl = self._backend(sb.backend)
+        ref = sb.backend_ref
+        if ref is None:
+            # Creation may have reached the backend without recording the ref; ask the
+            # backend for anything it holds under this id.
+            with contextlib.suppress(SandboxError):
+                ref = (await impl.list_owned()).get(sb.id)
+        if ref is not None:
+            await impl.destroy(ref)
+        return await self._cas(
+            sb,
+            status=S.DESTROYED,
+            transition_owner=None,
+            transition_deadline=None,
+            ports=[],
+            death=DeathCertificate(cause=cause, message=message, last_output=last),
+        )
+
+    async def keep_alive(
+        self, sandbox_id: str, seconds: float, *, actor: Actor = LOCAL_ACTOR
+    ) -> SandboxInfo:
+        """Push the TTL out to ``seconds`` from now (never shortens it) and count as activity."""
+        if seconds <= 0:
+            msg = f"keep_alive needs a positive number of seconds, got {seconds}"
+            raise InvalidRequest(msg)
+        for _ in range(50):
+            sb = await self.get(sandbox_id, actor=actor)
+            if sb.status is S.DESTROYED:
+                msg = f"sandbox {sb.id} is destroyed"
+                raise InvalidState(msg, id=sb.id)
+            until = utcnow() + timedelta(seconds=seconds)
+            if sb.expires_at is not None and sb.expires_at > until:
+                until = sb.expires_at
+            try:
+                return await self._cas(
+                    sb,
+                    expires_at=until if sb.expires_at or sb.spec.timeout else None,
+                    last_active_at=utcnow(),
+                )
+            except Conflict:
+                continue
+        msg = f"sandbox {sandbox_id} keeps changing; keep_alive gave up"
+        raise Conflict(msg)
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    async def snapshot(
+        self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR, auto_resume: bool = True
+    ) -> SnapshotInfo:
+        """Save the sandbox's state; new sandboxes can be made from it."""
+        sb = await self._ready(sandbox_id, actor, auto_resume)
+        impl = self._backend(sb.backend)
+        if not impl.capabilities().snapshot:
+            msg = f"backend {sb.backend!r} cannot snapshot"
+            raise NotSupported(msg)
+        assert sb.backend_ref is not None
+        snapshot_id = new_id("snap")
+        ref = await impl.snapshot(sb.backend_ref, snapshot_id)
+        info = SnapshotInfo(
+            id=snapshot_id,
+            sandbox_id=sb.id,
+            backend=sb.backend,
+            ref=ref.ref,
+            size_bytes=ref.size_bytes,
+            spec=sb.spec,
+            metadata=dict(ref.metadata),
+        )
+        return await self.store.insert_snapshot(info, tenant=sb.tenant)
+
+    async def list_snapshots(
+        self, sandbox_id: str | None = None, *, actor: Actor = LOCAL_ACTOR
+    ) -> builtins.list[SnapshotInfo]:
+        """Snapshots, newest first (of one sandbox when given)."""
+        return await self.store.list_snapshots(
+            sandbox_id=sandbox_id, tenant=None if actor.admin else actor.tenant
+        )
+
+    async def delete_snapshot(self, snapshot_id: str, *, actor: Actor = LOCAL_ACTOR) -> None:
+        """Remove a snapshot and its data."""
+        snap = await self.store.get_snapshot(
+            snapshot_id, tenant=None if actor.admin else actor.tenant
+        )
+        await self._backend(snap.backend).delete_snapshot(_snapshot_ref(snap))
+        await self.store.delete_snapshot(snap.id)
+
+    async def restore(
+        self, sandbox_id: str, snapshot_id: str, *, actor: Actor = LOCAL_ACTOR
+    ) -> SandboxInfo:
+        """Put a sandbox back to a snapshot's state (its main process is relaunched)."""
+        sb = await self._settled(await self.get(sandbox_id, actor=actor))
+        snap = await self.store.get_snapshot(
+            snapshot_id, tenant=None if actor.admin else actor.tenant
+        )
+        if snap.backend != sb.backend:
+            msg = f"snapshot {snap.id} is from backend {snap.backend}, sandbox is on {sb.backend}"
+            raise InvalidRequest(msg)
+        impl = self._backend(sb.backend)
+        if not impl.capabilities().snapshot:
+            msg = f"backend {sb.backend!r} cannot restore snapshots"
+            raise NotSupported(msg)
+        sb = await self._begin(sb, {S.RUNNING, S.STOPPED, S.FAILED}, S.RESUMING)
+        await self._drop_channel(sb.id)
+        assert sb.backend_ref is not None
+        try:
+            await impl.restore(sb.backend_ref, _snapshot_ref(snap), sb.spec)
+            command = sb.spec.resume_command()
+            if command is not None:
+                await self._launch_main(sb, await self._channel(sb), command)
+        except SandboxError as e:
+            await self._fail(sb, "backend_error", f"restore failed: {e}")
+            raise
+        return await self._cas(
+            sb, status=S.RUNNING, transition_owner=None, transition_deadline=None, error=None
+        )
+
+    async def fork(
+        self,
+        source: str,
+        count: int = 1,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        labels: Mapping[str, str] | None = None,
+    ) -> builtins.list[SandboxInfo]:
+        """Make ``count`` new sandboxes from a snapshot id, or from a sandbox id (snapshotted
+        first). Each starts with the snapshot's files and runs its ``resume`` command."""
+        if not 1 <= count <= 1000:
+            msg = f"fork count must be 1..1000, got {count}"
+            raise InvalidRequest(msg)
+        tenant = None if actor.admin else actor.tenant
+        if source.startswith("snap-"):
+            snap = await self.store.get_snapshot(source, tenant=tenant)
+        else:
+            snap = await self.snapshot(source, actor=actor)
+        impl = self._backend(snap.backend)
+        if not impl.capabilities().fork:
+            msg = f"backend {snap.backend!r} cannot fork"
+            raise NotSupported(msg)
+        spec = (snap.spec or SandboxSpec()).model_copy(
+            update={"labels": {**(snap.spec.labels if snap.spec else {}), **dict(labels or {})}}
+        )
+        now = utcnow()
+        records = [
+            SandboxInfo(
+                id=new_id("sb"),
+                backend=snap.backend,
+                status=S.PROVISIONING,
+                spec=spec,
+                tenant=actor.tenant,
+                setup_done=True,
+                created_at=now,
+                updated_at=now,
+                last_active_at=now,
+                expires_at=now + timedelta(seconds=spec.timeout) if spec.timeout else None,
+                transition_owner=self.instance,
+                transition_deadline=now + timedelta(seconds=self.create_timeout),
+                metadata={"forked_from": snap.id},
+            )
+            for _ in range(count)
+        ]
+        for r in records:
+            await self.store.insert(r)
+        try:
+            refs = await impl.fork(_snapshot_ref(snap), [r.id for r in records], spec)
+        except SandboxError as e:
+            for r in records:
+                await self._fail(r, "backend_error", f"fork failed: {e}")
+            raise
+        out = []
+        for r, ref in zip(records, refs, strict=True):
+            r = await self._cas(r, status=S.STARTING, backend_ref=ref)
+            command = spec.resume_command()
+            if command is not None:
+                await self._launch_main(r, await self._channel(r), command)
+            out.append(
+                await self._cas(
+                    r, status=S.RUNNING, transition_owner=None, transition_deadline=None
+                )
+            )
+        return out
+
+    # -- ports --------------------------------------------------------------------------------
+
+    async def expose_port(
+        self, sandbox_id: str, port: int, *, actor: Actor = LOCAL_ACTOR
+    ) -> PortMapping:
+        """Publish a sandbox port on the host."""
+        if not 1 <= port <= 65535:
+            msg = f"port {port} is outside 1..65535"
+            raise InvalidRequest(msg)
+        sb = await self._ready(sandbox_id, actor, True)
+        sb = await self._expose(sb, port)
+        return next(p for p in sb.ports if p.port == port)
+
+    async def _expose(self, sb: SandboxInfo, port: int) -> SandboxInfo:
+        impl = self._backend(sb.backend)
+        if not impl.capabilities().ports:
+            msg = f"backend {sb.backend!r} cannot expose ports"
+            raise NotSupported(msg)
+        assert sb.backend_ref is not None
+        mapping = await impl.expose_port(sb.backend_ref, port)
+        for _ in range(50):
+            ports = [p for p in sb.ports if p.port != port] + [mapping]
+            try:
+                return await self._cas(sb, ports=sorted(ports, key=lambda p: p.port))
+            except Conflict:
+                sb = await self.store.get(sb.id)
+        msg = f"sandbox {sb.id} keeps changing; expose_port gave up"
+        raise Conflict(msg)
+
+    async def list_ports(
+        self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR
+    ) -> builtins.list[PortMapping]:
+        """Published ports."""
+        return list((await self.get(sandbox_id, actor=actor)).ports)
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    async def stop_expired(self, *, now: datetime | None = None) -> builtins.list[str]:
+        """Stop running sandboxes whose TTL ran out (cause ``ttl``) or that sat idle longer
+        than ``idle_timeout`` (cause ``idle``); the ids stopped."""
+        now = now or utcnow()
+        stopped = []
+        running = await self.store.list(SandboxQuery(statuses=frozenset({S.RUNNING})))
+        for sb in running:
+            cause = None
+            if sb.expires_at is not None and sb.expires_at <= now:
+                cause, message = "ttl", f"time to live ran out at {sb.expires_at.isoformat()}"
+            elif sb.spec.idle_timeout is not None and (
+                sb.last_active_at + timedelta(seconds=sb.spec.idle_timeout) <= now
+            ):
+                cause, message = "idle", f"idle for more than {sb.spec.idle_timeout:g}s"
+            if cause is None:
+                continue
+            with contextlib.suppress(Conflict, InvalidState):
+                await self._stop(sb, cause, message)
+                stopped.append(sb.id)
+        return stopped
+
+    async def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
+        """Make records agree with what backends report, settle abandoned transitions, and
+        (when ``ids`` is None) reap backend sandboxes that carry our mark but have no record."""
+        report = ReconcileReport()
+        if ids is None:
+            records = await self.store.list(SandboxQuery())
+        else:
+            records = [await self.store.get(i) for i in ids]
+        for sb in records:
+            report.checked += 1
+            try:
+                change = await self._reconcile_one(sb)
+            except SandboxError as e:
+                report.errors[sb.id] = str(e)
+                continue
+            if change:
+                report.updated[sb.id] = change
+        if ids is None:
+            for name in self.backends:
+                await self._reap(name, self._backend(name), report)
+        return report
+
+    async def _reconcile_one(self, sb: SandboxInfo) -> str | None:
+        before = sb.status
+        if before.transitional:
+            if not self._abandoned(sb):
+                return None
+            settled = await self._settle(sb)
+            return f"{before} (abandoned) -> {settled.status}"
+        if before not in (S.RUNNING, S.STOPPED) or sb.backend_ref is None:
+            return None
+        state = await self._backend(sb.backend).inspect(sb.backend_ref)
+        if state.state == "missing":
+            await self._fail(sb, "vanished", "the backend no longer has this sandbox")
+            return f"{before} -> failed (vanished)"
+        if before is S.RUNNING and state.state == "stopped":
+            cause = state.reason or "exited"
+            await self._drop_channel(sb.id)
+            await self._cas(
+                sb,
+                status=S.STOPPED,
+                death=DeathCertificate(
+                    cause=cause, message=state.detail or f"stopped behind our back ({cause})"
+                ),
+            )
+            return f"running -> stopped ({cause})"
+        return None
+
+    async def _reap(self, name: str, impl: Backend, report: ReconcileReport) -> None:
+        try:
+            owned = await impl.list_owned()
+        except SandboxError as e:
+            report.errors[name] = f"cannot list backend sandboxes: {e}"
+            return
+        for sandbox_id, ref in owned.items():
+            try:
+                await self.store.get(sandbox_id)
+            except NotFound:
+                await impl.destroy(ref)
+                report.reaped.append(sandbox_id)
+
+    def _abandoned(self, sb: SandboxInfo) -> bool:
+        if sb.transition_owner == self.instance:
+            return False
+        if sb.transition_deadline is not None and sb.transition_deadline <= utcnow():
+            return True
+        host, _, rest = (sb.transition_owner or "").partition(":")
+        pid_text = rest.partition(":")[0]
+        if host == socket.gethostname() and pid_text.isdigit():
+            return not _pid_alive(int(pid_text))
+        return sb.transition_owner is None
+
+    async def _settle(self, sb: SandboxInfo) -> SandboxInfo:
+        """Finish or fail a transition whose driver died."""
+        impl = self._backend(sb.backend)
+        owner = f"abandoned by {sb.transition_owner}"
+        if sb.status is S.DESTROYING:
+            return await self._destroy(sb, "destroyed", f"destroy finished by reconcile ({owner})")
+        if sb.status in (S.STOPPING, S.RESUMING):
+            sb = await self._cas(sb, transition_owner=self.instance)
+            with contextlib.suppress(SandboxError):
+                if sb.backend_ref is not None:
+                    await impl.stop(sb.backend_ref)
+            await self._drop_channel(sb.id)
+            return await self._cas(
+                sb,
+                status=S.STOPPED,
+                transition_owner=None,
+                transition_deadline=None,
+                death=DeathCertificate(cause="abandoned", message=f"{sb.status} {owner}"),
+            )
+        # provisioning / setting_up / starting: the backend's sandbox (if any) is kept for
+        # inspection, as for any failed creation.
+        if sb.backend_ref is None:
+            with contextlib.suppress(SandboxError):
+                ref = (await impl.list_owned()).get(sb.id)
+                if ref is not None:
+                    sb = await self._cas(sb, backend_ref=ref)
+        return await self._fail(sb, "abandoned", f"{sb.status} {owner}")
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _backend(self, name: str) -> Backend:
+        try:
+            impl = self._used[name] = self.backends[name]
+        except KeyError:
+            msg = f"backend {name!r} is not available here (configured: {', '.join(sorted(self.backends))})"
+            raise InvalidRequest(msg) from None
+        return impl
+
+    def _env(self, sb: SandboxInfo, extra: Mapping[str, str]) -> dict[str, str]:
+        return {**sb.spec.env, **extra}
+
+    async def _run(
+        self, sb: SandboxInfo, channel: Channel, command: Command, on_output: OutputCallback
+    ) -> ExecResult:
+        argv, cwd, env = command_argv(command)
+        return await channel.exec(
+            argv, cwd=cwd or sb.spec.workdir, env=self._env(sb, env), on_output=on_output
+        )
+
+    async def _cas(self, sb: SandboxInfo, **patch: object) -> SandboxInfo:
+        return await self.store.update(sb.id, sb.version, patch)
+
+    async def _begin(
+        self, sb: SandboxInfo, allowed: set[SandboxStatus], to: SandboxStatus
+    ) -> SandboxInfo:
+        if sb.status not in allowed:
+            msg = f"sandbox {sb.id} is {sb.status}; {to} needs one of {', '.join(sorted(allowed))}"
+            raise InvalidState(msg, id=sb.id)
+        return await self._cas(
+            sb,
+            status=to,
+            transition_owner=self.instance,
+            transition_deadline=utcnow() + timedelta(seconds=self.transition_timeout),
+        )
+
+    async def _fail(
+        self,
+        sb: SandboxInfo,
+        cause: str,
+        message: str,
+        last_output: builtins.list[str] | None = None,
+    ) -> SandboxInfo:
+        await self._drop_channel(sb.id)
+        for _ in range(20):
+            current = await self.store.get(sb.id)
+            if current.status in (S.DESTROYING, S.DESTROYED):
+                return current
+            try:
+                return await self._cas(
+                    current,
+                    status=S.FAILED,
+                    error=message,
+                    transition_owner=None,
+                    transition_deadline=None,
+                    death=DeathCertificate(
+                        cause=cause, message=message, last_output=last_output or []
+                    ),
+                )
+            except Conflict:
+                continue
+        return await self.store.get(sb.id)
+
+    async def _settled(self, sb: SandboxInfo) -> SandboxInfo:
+        """Wait until no transition is in flight (settling an abandoned one)."""
+        with anyio.move_on_after(self.transition_timeout):
+            delay = 0.005
+            while sb.status.transitional:
+                if self._abandoned(sb):
+                    with contextlib.suppress(Conflict):
+                        return await self._settle(sb)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+                sb = await self.store.get(sb.id)
+            return sb
+        msg = f"sandbox {sb.id} stayed {sb.status} for {self.transition_timeout:g}s"
+        raise SandboxTimeout(msg, id=sb.id)
+
+    async def _ready(self, sandbox_id: str, actor: Actor, auto_resume: bool) -> SandboxInfo:
+        """The sandbox, running: wait out transitions, resume it if stopped (exactly one
+        concurrent caller wins the resume; the rest wait for it)."""
+        sb = await self.get(sandbox_id, actor=actor)
+        for _ in range(100):
+            sb = await self._settled(sb)
+            if sb.status is S.RUNNING:
+                return sb
+            if sb.status is S.STOPPED:
+                if not auto_resume:
+                    msg = f"sandbox {sb.id} is stopped (auto_resume is off)"
+                    raise InvalidState(msg, id=sb.id)
+                try:
+                    sb = await self._begin(sb, {S.STOPPED}, S.RESUMING)
+                except Conflict:
+                    sb = await self.store.get(sb.id)
+                    continue
+                return await self._do_resume(sb)
+            reason = f": {sb.death.cause} ({sb.death.message})" if sb.death else ""
+            msg = f"sandbox {sb.id} is {sb.status}{reason}"
+            raise InvalidState(msg, id=sb.id, status=sb.status.value)
+        msg = f"sandbox {sandbox_id} did not settle"
+        raise SandboxTimeout(msg)
+
+    async def _channel(self, sb: SandboxInfo) -> Channel:
+        cached = self._channels.get(sb.id)
+        if cached is not None and cached[0] == sb.backend_ref:
+            return cached[1]
+        if sb.backend_ref is None:
+            msg = f"sandbox {sb.id} has no backend sandbox yet"
+            raise InvalidState(msg, id=sb.id)
+        channel = await self._backend(sb.backend).channel(sb.backend_ref)
+        self._channels[sb.id] = (sb.backend_ref, channel)
+        return channel
+
+    async def _channel_call(self, sb: SandboxInfo, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except BackendError:
+            # A broken channel usually means the sandbox died under us (its init was
+            # OOM-killed, the host stopped it): record why before the caller sees the error.
+            await self._drop_channel(sb.id)
+            with contextlib.suppress(SandboxError):
+                await self._reconcile_one(await self.store.get(sb.id))
+            raise
+
+    async def _drop_channel(self, sandbox_id: str) -> None:
+        cached = self._channels.pop(sandbox_id, None)
+        if cached is not None:
+            with contextlib.suppress(SandboxError, OSError):
+                await cached[1].close()
+
+    async def _last_output(self, sb: SandboxInfo) -> builtins.list[str]:
+        """The last lines of the main log, for a death certificate (best effort, bounded)."""
+        if sb.status is not S.RUNNING or sb.backend_ref is None:
+            return []
+        tail = _Tail()
+        with anyio.move_on_after(2), contextlib.suppress(SandboxError, OSError):
+            channel = await self._channel(sb)
+            info = await channel.stat(MAIN_LOG)
+            async for chunk in channel.follow_file(MAIN_LOG, offset=max(0, info.size - 16384)):
+                tail.feed(chunk)
+        return tail.lines()
+
+    async def aclose(self) -> None:
+        """Close channels, backends and the store."""
+        for sid in list(self._channels):
+            await self._drop_channel(sid)
+        for impl in self._used.values():
+            with contextlib.suppress(SandboxError):
+                await impl.aclose()
+        await self.store.aclose()
+
+
+def _snapshot_ref(snap: SnapshotInfo) -> SnapshotRef:
+    return SnapshotRef(ref=snap.ref, size_bytes=snap.size_bytes, metadata=dict(snap.metadata))
+
+
+def _check_path(path: str) -> None:
+    if not path.startswith("/"):
+        msg = f"path must be absolute, got {path!r}"
+        raise InvalidRequest(msg)
+    if "\x00" in path:
+        msg = "path must not contain NUL bytes"
+        raise InvalidRequest(msg)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,551 @@
+"""Wire models: one pydantic schema for the SDK, the store, HTTP and MCP.
+
+This module owns what a sandbox *is* (its spec and its record) and what operations return. It
+validates user input with one clear message naming the field, and imports nothing from sandlot
+but :mod:`sandlot.errors`.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import posixpath
+import re
+import secrets
+from datetime import UTC, datetime
+from typing import Literal, TypeAlias, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+)
+
+from sandlot.errors import InvalidRequest
+
+__all__ = [
+    "LOCAL_ACTOR",
+    "Actor",
+    "Command",
+    "CommandSpec",
+    "DeathCertificate",
+    "ExecResult",
+    "FileInfo",
+    "GitSource",
+    "JsonValue",
+    "NetworkAllowlist",
+    "NetworkPolicy",
+    "OutputChunk",
+    "PortMapping",
+    "ProcessInfo",
+    "Resources",
+    "SandboxInfo",
+    "SandboxSpec",
+    "SandboxStatus",
+    "SnapshotInfo",
+    "new_id",
+    "parse_model",
+    "utcnow",
+]
+
+M = TypeVar("M", bound=BaseModel)
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,126}[A-Za-z0-9])?$")
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware in UTC."""
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    """A short random id such as ``sb-3f9c2a7d1e04``; 48 bits is plenty per installation."""
+    return f"{prefix}-{secrets.token_hex(6)}"
+
+
+def _absolute(path: str) -> str:
+    if not path.startswith("/"):
+        msg = f"must be an absolute path, got {path!r}"
+        raise ValueError(msg)
+    if "\x00" in path:
+        msg = "must not contain NUL bytes"
+        raise ValueError(msg)
+    return posixpath.normpath(path) if path != "/" else "/"
+
+
+def _check_env(env: dict[str, str]) -> dict[str, str]:
+    for name, value in env.items():
+        if not _ENV_NAME.match(name):
+            msg = f"{name!r} is not a valid environment variable name"
+            raise ValueError(msg)
+        if "\x00" in value:
+            msg = f"the value of {name} contains a NUL byte"
+            raise ValueError(msg)
+    return env
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False, use_attribute_docstrings=True)
+
+
+class Actor(_Model):
+    """Who asks: the principal (a user or an agent) and the tenant it acts for."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant: str = "default"
+    """Every record belongs to one tenant; an actor sees only its own tenant's."""
+    principal: str = "local"
+    """The user or agent, as policy and receipts name it."""
+    admin: bool = False
+    """Admins see every tenant (operators, reconcile)."""
+
+
+LOCAL_ACTOR = Actor()
+"""The actor of the embedded SDK and CLI: the local user, default tenant."""
+
+
+class CommandSpec(_Model):
+    """A command run with an exact argv, no shell."""
+
+    cmd: str = Field(min_length=1)
+    """The program (looked up on PATH inside the sandbox when it has no slash)."""
+    args: list[str] = Field(default_factory=list)
+    """Arguments after the program."""
+    cwd: str | None = None
+    """Working directory; default is the sandbox's workdir."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables."""
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd_absolute(cls, v: str | None) -> str | None:
+        return None if v is None else _absolute(v)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    def argv(self) -> list[str]:
+        """The full argv."""
+        return [self.cmd, *self.args]
+
+
+Command: TypeAlias = str | CommandSpec
+"""A string runs with ``sh -c``; a :class:`CommandSpec` runs with an exact argv."""
+
+
+class GitSource(_Model):
+    """A repository cloned into the workdir when the sandbox is created."""
+
+    url: str = Field(min_length=1)
+    """Clone URL (https, ssh or a local path)."""
+    revision: str | None = None
+    """Branch, tag or commit to check out; default is the remote's HEAD."""
+    depth: int | None = Field(default=None, gt=0)
+    """Shallow clone depth."""
+    auth: str | None = Field(default=None, exclude=True, repr=False)
+    """An ``Authorization`` header value sent once while cloning; never stored or written into
+    the repository's config."""
+
+
+class Resources(_Model):
+    """Resource limits, enforced by backends that say so in their capabilities."""
+
+    vcpus: float | None = Field(default=None, gt=0)
+    """CPU quota in cores (``0.5`` is half a core)."""
+    memory_mb: int | None = Field(default=None, gt=0)
+    """Memory limit in MiB; going over it kills the offending process (cause ``oom``)."""
+    pids: int | None = Field(default=None, gt=0)
+    """Maximum number of processes and threads."""
+    disk_mb: int | None = Field(default=None, gt=0)
+    """Size of the writable layer in MiB."""
+
+
+def _check_cidrs(values: list[str]) -> list[str]:
+    out = []
+    for v in values:
+        try:
+            out.append(str(ipaddress.ip_network(v, strict=False)))
+        except ValueError:
+            msg = f"{v!r} is not a valid CIDR"
+            raise ValueError(msg) from None
+    return out
+
+
+_DOMAIN = re.compile(
+    r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+)
+
+
+class NetworkAllowlist(_Model):
+    """Outbound access limited to listed domains and address ranges."""
+
+    allow_domains: list[str] = Field(default_factory=list)
+    """``example.com`` matches itself; ``*.example.com`` matches its subdomains only."""
+    allow_cidrs: list[str] = Field(default_factory=list)
+    """Address ranges that may be reached (by IP, or by a name resolving into them)."""
+    deny_cidrs: list[str] = Field(default_factory=list)
+    """Address ranges that are never reached; these win over both allow lists."""
+    record: bool = False
+    """Record mode: log everything allowed, to learn the least-privilege allowlist."""
+
+    @field_validator("allow_domains")
+    @classmethod
+    def _domains(cls, v: list[str]) -> list[str]:
+        out = []
+        for d in v:
+            d = d.strip().lower().rstrip(".")
+            if not _DOMAIN.match(d):
+                msg = f"{d!r} is not a domain name or *.domain pattern"
+                raise ValueError(msg)
+            out.append(d)
+        return out
+
+    @field_validator("allow_cidrs")
+    @classmethod
+    def _allow(cls, v: list[str]) -> list[str]:
+        return _check_cidrs(v)
+
+    @field_validator("deny_cidrs")
+    @classmethod
+    def _deny(cls, v: list[str]) -> list[str]:
+        return _check_cidrs(v)
+
+
+NetworkPolicy: TypeAlias = Literal["allow-all", "deny-all"] | NetworkAllowlist
+"""``"allow-all"`` (default), ``"deny-all"`` (loopback only) or an allowlist."""
+
+
+class SandboxSpec(_Model):
+    """What a sandbox should be. Every field is optional; defaults give a working sandbox."""
+
+    image: str | None = None
+    """Root filesystem: a directory, a rootfs tarball or ``oci:PATH:TAG``; default is the host's
+    root view (read-only ``/usr``)."""
+    workdir: str = "/workspace"
+    """Absolute working directory, created if missing."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment for every command."""
+    git: GitSource | None = None
+    """A repository cloned into the workdir at create."""
+    setup: Command | list[Command] | None = None
+    """Run once after create; stops at the first non-zero exit, which fails the sandbox."""
+    start: Command | None = None
+    """The main process, launched detached; output goes to the sandbox log."""
+    resume: Command | None = None
+    """Launched on resume instead of ``start``; defaults to ``start``."""
+    ports: list[int] = Field(default_factory=list)
+    """Ports to expose on the host at create."""
+    timeout: float | None = Field(default=None)
+    """Time to live in seconds from create; on expiry the sandbox is stopped (cause ``ttl``)."""
+    idle_timeout: float | None = Field(default=None)
+    """Seconds without an operation after which the sandbox is stopped (cause ``idle``)."""
+    resources: Resources = Field(default_factory=Resources)
+    """Resource limits."""
+    network: NetworkPolicy = "allow-all"
+    """Outbound network policy."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Free-form labels; ``list`` filters on them."""
+    owner: str | None = None
+    """Who owns the sandbox (a user or agent name)."""
+    backend_options: dict[str, dict[str, JsonValue]] = Field(default_factory=dict)
+    """Per-backend options, keyed by backend name (``{"local": {"isolation": "gvisor"}}``)."""
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str) -> str:
+        return _absolute(v)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: list[int]) -> list[int]:
+        for p in v:
+            if not 1 <= p <= 65535:
+                msg = f"{p} is outside 1..65535"
+                raise ValueError(msg)
+        return sorted(set(v))
+
+    @field_validator("timeout", "idle_timeout")
+    @classmethod
+    def _positive(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0:
+            msg = f"must be a positive number of seconds, got {v}"
+            raise ValueError(msg)
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not _LABEL_KEY.match(k):
+                msg = f"{k!r} is not a valid label key (letters, digits, . _ / -)"
+                raise ValueError(msg)
+        return v
+
+    def setup_steps(self) -> list[Command]:
+        """``setup`` as a list of commands."""
+        if self.setup is None:
+            return []
+        return list(self.setup) if isinstance(self.setup, list) else [self.setup]
+
+    def resume_command(self) -> Command | None:
+        """What to launch on resume."""
+        return self.resume if self.resume is not None else self.start
+
+    def options_for(self, backend: str) -> dict[str, JsonValue]:
+        """The ``backend_options`` entry for one backend (empty when absent)."""
+        return dict(self.backend_options.get(backend, {}))
+
+
+class SandboxStatus(enum.StrEnum):
+    """Where a sandbox is in its lifecycle (see DESIGN.md)."""
+
+    PROVISIONING = "provisioning"
+    SETTING_UP = "setting_up"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    RESUMING = "resuming"
+    DESTROYING = "destroying"
+    DESTROYED = "destroyed"
+    FAILED = "failed"
+
+    @property
+    def transitional(self) -> bool:
+        """True while a transition is in flight (another process may be driving it)."""
+        return self in _TRANSITIONAL
+
+    @property
+    def terminal(self) -> bool:
+        """True when nothing more happens to the sandbox without a user asking."""
+        return self in (SandboxStatus.DESTROYED, SandboxStatus.FAILED, SandboxStatus.STOPPED)
+
+
+_TRANSITIONAL = frozenset(
+    {
+        SandboxStatus.PROVISIONING,
+        SandboxStatus.SETTING_UP,
+        SandboxStatus.STARTING,
+        SandboxStatus.STOPPING,
+        SandboxStatus.RESUMING,
+        SandboxStatus.DESTROYING,
+    }
+)
+
+
+class DeathCertificate(_Model):
+    """Why a sandbox stopped, failed or was destroyed: the answer to "why did it die"."""
+
+    cause: str
+    """``ttl``, ``idle``, ``oom``, ``destroyed``, ``stopped``, ``backend_error``, ``setup_failed``,
+    ``vanished``, ``exited``, ``abandoned``, …"""
+    message: str = ""
+    """A human-readable explanation (the error, the exit code)."""
+    last_output: list[str] = Field(default_factory=list)
+    """The last lines of the main process's (or the failing step's) output."""
+    at: datetime = Field(default_factory=utcnow)
+    """When it happened."""
+
+
+class PortMapping(_Model):
+    """A sandbox port published on the host."""
+
+    port: int
+    """Port inside the sandbox."""
+    host: str
+    """Host address it is published on."""
+    host_port: int
+    """Port on the host."""
+    url: str
+    """``http://host:host_port``."""
+
+
+class SandboxInfo(_Model):
+    """The durable record of one sandbox."""
+
+    id: str
+    """Stable id, such as ``sb-3f9c2a7d1e04``."""
+    backend: str
+    """The backend it lives on."""
+    status: SandboxStatus
+    """Lifecycle status."""
+    spec: SandboxSpec
+    """What it was created with."""
+    tenant: str = "default"
+    """The tenant it belongs to."""
+    version: int = 0
+    """Compare-and-set counter; bumped by every change."""
+    created_at: datetime = Field(default_factory=utcnow)
+    """Creation time."""
+    updated_at: datetime = Field(default_factory=utcnow)
+    """Last change to this record."""
+    last_active_at: datetime = Field(default_factory=utcnow)
+    """Last operation on the sandbox (drives ``idle_timeout``)."""
+    expires_at: datetime | None = None
+    """When the TTL runs out."""
+    backend_ref: str | None = None
+    """The backend's own handle for the sandbox."""
+    transition_owner: str | None = None
+    """Who drives the transition in flight (``host:pid:nonce``), to settle abandoned ones."""
+    transition_deadline: datetime | None = None
+    """After this, a transition in flight is considered abandoned."""
+    error: str | None = None
+    """The last error, for ``failed`` sandboxes."""
+    death: DeathCertificate | None = None
+    """Why it stopped, failed or was destroyed."""
+    setup_done: bool = False
+    """True once setup has succeeded (a retried resume does not run it again)."""
+    ports: list[PortMapping] = Field(default_factory=list)
+    """Exposed ports."""
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)
+    """Backend and manager bookkeeping."""
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The spec's labels."""
+        return self.spec.labels
+
+    @property
+    def owner(self) -> str | None:
+        """The spec's owner."""
+        return self.spec.owner
+
+
+class ExecResult(_Model):
+    """What a finished command left behind."""
+
+    exit_code: int
+    """Exit status; ``128 + N`` when killed by signal N, ``124`` on timeout."""
+    stdout: str = ""
+    """Collected standard output (decoded as UTF-8, invalid bytes replaced)."""
+    stderr: str = ""
+    """Collected standard error."""
+    duration_ms: float = 0.0
+    """Wall time from start to exit."""
+    signal: int | None = None
+    """The signal that killed it, if any."""
+    timed_out: bool = False
+    """True when the timeout killed it."""
+    oom_killed: bool = False
+    """True when the memory limit killed it."""
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0."""
+        return self.exit_code == 0
+
+
+class OutputChunk(_Model):
+    """A piece of a command's output, numbered so a reader can resume where it stopped."""
+
+    seq: int
+    """Position in the command's output stream, starting at 0."""
+    stream: Literal["stdout", "stderr"]
+    """Which stream."""
+    data: bytes
+    """The bytes."""
+
+
+class FileInfo(_Model):
+    """A file or directory inside a sandbox."""
+
+    path: str
+    """Absolute path inside the sandbox."""
+    name: str
+    """Last path component."""
+    type: Literal["file", "dir", "symlink", "other"]
+    """Kind of entry (symlinks are not followed)."""
+    size: int = 0
+    """Size in bytes."""
+    mode: int = 0
+    """Permission bits."""
+    mtime: float = 0.0
+    """Modification time (seconds since the epoch)."""
+    target: str | None = None
+    """Where a symlink points."""
+
+
+class ProcessInfo(_Model):
+    """A background process inside a sandbox."""
+
+    id: str
+    """Stable handle (unique within the sandbox)."""
+    pid: int
+    """Process id inside the sandbox."""
+    command: list[str]
+    """Its argv."""
+    name: str | None = None
+    """An optional name given at start (``main`` for the main process)."""
+    running: bool = True
+    """False once it exited."""
+    exit_code: int | None = None
+    """Exit status once it exited."""
+    started_at: float = 0.0
+    """Start time (seconds since the epoch)."""
+
+
+class SnapshotInfo(_Model):
+    """A saved state of a sandbox from which new sandboxes can be made."""
+
+    id: str
+    """Snapshot id."""
+    sandbox_id: str
+    """The sandbox it was taken from."""
+    backend: str
+    """The backend that made it (snapshots do not cross backends)."""
+    created_at: datetime = Field(default_factory=utcnow)
+    """When it was taken."""
+    ref: str
+    """The backend's handle for it."""
+    size_bytes: int = 0
+    """Size on disk, when known."""
+    spec: SandboxSpec | None = None
+    """The spec of the sandbox it came from."""
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)
+    """Backend details (checksum manifest, …)."""
+
+
+def _describe(e: ValidationError) -> str:
+    """One readable line per field; for unions, the error that explains the most."""
+    by_field: dict[str, list[tuple[str, str, str]]] = {}
+    for err in e.errors():
+        # Drop union-branch tags ("str", "NetworkAllowlist", "list[...]") from the location.
+        loc = [
+            str(x)
+            for x in err["loc"]
+            if isinstance(x, int) or not (str(x)[:1].isupper() or "[" in str(x) or str(x) in _TYPES)
+        ]
+        where = ".".join(loc)
+        by_field.setdefault(loc[0] if loc else "", []).append(
+            (where, err["type"], str(err["msg"]).removeprefix("Value error, "))
+        )
+    parts = []
+    for errors in by_field.values():
+        own = [x for x in errors if x[1] == "value_error"] or errors
+        for where, _, msg in dict.fromkeys(own):
+            parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts)
+
+
+_TYPES = frozenset({"str", "int", "float", "bool", "list", "dict", "function-after"})
+
+
+def parse_model(cls: type[M], data: object) -> M:
+    """Validate ``data`` as ``cls``, turning pydantic's error into one clear ``InvalidRequest``."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        msg = f"invalid {cls.__name__}: {_describe(e)}"
+        raise InvalidRequest(msg) from None

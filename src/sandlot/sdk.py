@@ -1,0 +1,394 @@
+"""The in-process async SDK: :class:`AsyncSandlot` and its :class:`AsyncSandbox` handles.
+
+    async with AsyncSandlot() as client:
+        async with await client.create(setup="pip install requests") as sb:
+            result = await sb.exec(["python3", "-c", "print(1)"])
+
+Everything here is a thin layer over :class:`~sandlot.manager.Manager`; the sync SDK
+(:mod:`sandlot.sync`) mirrors this module method for method and the HTTP client
+(:mod:`sandlot.client`) offers the same surface. This module must not import concrete
+backends (the registry builds them).
+"""
+
+from __future__ import annotations
+
+import builtins
+import codecs
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Self, final
+
+from sandlot.backends.registry import Backends, default_backend_name
+from sandlot.config import default_database_url
+from sandlot.config import home as resolve_home
+from sandlot.errors import InvalidRequest
+from sandlot.manager import Manager, ReconcileReport
+from sandlot.models import (
+    LOCAL_ACTOR,
+    Actor,
+    Command,
+    ExecResult,
+    FileInfo,
+    JsonValue,
+    OutputChunk,
+    PortMapping,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStatus,
+    SnapshotInfo,
+    parse_model,
+)
+from sandlot.store.sql import SqlStore
+
+if TYPE_CHECKING:
+    from sandlot.backends.base import Backend
+    from sandlot.channel.base import OutputCallback, Stdin
+
+__all__ = ["AsyncSandbox", "AsyncSandlot", "database_url"]
+
+
+def database_url(database: str | None, home_dir: Path) -> str:
+    """A SQLAlchemy URL from a URL, a file path, or nothing (the home's SQLite file)."""
+    if database is None:
+        return default_database_url(home_dir)
+    if "://" in database:
+        return database
+    return f"sqlite:///{Path(database).expanduser().absolute()}"
+
+
+def build_spec(
+    spec: SandboxSpec | Mapping[str, object] | None, fields: Mapping[str, object]
+) -> SandboxSpec:
+    """A spec from a model or a dict, with keyword fields laid over it, validated."""
+    if spec is None:
+        base: dict[str, object] = {}
+    elif isinstance(spec, SandboxSpec):
+        base = spec.model_dump(exclude_unset=True)
+        if spec.git is not None and spec.git.auth:
+            base["git"] = {**spec.git.model_dump(exclude_unset=True), "auth": spec.git.auth}
+    else:
+        base = dict(spec)
+    return parse_model(SandboxSpec, {**base, **fields})
+
+
+def _split_output(
+    on_output: OutputCallback | None,
+    on_stdout: Callable[[str], object] | None,
+    on_stderr: Callable[[str], object] | None,
+) -> OutputCallback | None:
+    """One chunk callback feeding the raw callback and per-stream text callbacks.
+
+    Text is decoded incrementally, so a character split across two chunks arrives whole.
+    """
+    if on_stdout is None and on_stderr is None:
+        return on_output
+    decoders = {
+        "stdout": codecs.getincrementaldecoder("utf-8")(errors="replace"),
+        "stderr": codecs.getincrementaldecoder("utf-8")(errors="replace"),
+    }
+    text_callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+
+    async def callback(chunk: OutputChunk) -> None:
+        if on_output is not None:
+            result = on_output(chunk)
+            if result is not None:
+                await result
+        text_cb = text_callbacks[chunk.stream]
+        if text_cb is not None:
+            text = decoders[chunk.stream].decode(chunk.data)
+            if text:
+                text_cb(text)
+
+    return callback
+
+
+@final
+class AsyncSandbox:
+    """A handle on one sandbox. ``async with`` destroys it on exit."""
+
+    def __init__(self, client: AsyncSandlot, info: SandboxInfo) -> None:
+        self._client = client
+        self._manager = client.manager
+        self._actor = client.actor
+        self.info = info
+        """The record as last seen (``refresh()`` reads it again)."""
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self.info.id
+
+    @property
+    def status(self) -> SandboxStatus:
+        """The status as last seen."""
+        return self.info.status
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.status} on {self.info.backend}>"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.destroy()
+
+    async def refresh(self) -> SandboxInfo:
+        """Read the record again."""
+        self.info = await self._manager.get(self.id, actor=self._actor)
+        return self.info
+
+    async def exec(
+        self,
+        command: Command | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: Stdin = None,
+        on_output: OutputCallback | None = None,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+        check: bool = False,
+        auto_resume: bool = True,
+    ) -> ExecResult:
+        """Run a command to completion (a string runs under ``sh -c``; a list is an argv).
+
+        Args:
+            command: What to run.
+            cwd: Working directory (default: the spec's workdir).
+            env: Extra environment variables.
+            timeout: Seconds before the whole process tree is killed (exit code 124).
+            stdin: Input bytes, or an async iterable of chunks.
+            on_output: Called with each raw output chunk.
+            on_stdout: Called with standard output text as it arrives.
+            on_stderr: Called with standard error text as it arrives.
+            check: Raise ``ExecFailed`` on a non-zero exit.
+            auto_resume: Resume a stopped sandbox first (else ``InvalidState``).
+
+        Returns:
+            The exit code, the collected output and the duration.
+        """
+        return await self._manager.exec(
+            self.id,
+            command,
+            actor=self._actor,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
+            stdin=stdin,
+            on_output=_split_output(on_output, on_stdout, on_stderr),
+            check=check,
+            auto_resume=auto_resume,
+        )
+
+    async def read_file(self, path: str) -> bytes:
+        """A file's bytes."""
+        return await self._manager.read_file(self.id, path, actor=self._actor)
+
+    async def stream_file(self, path: str) -> AsyncIterator[bytes]:
+        """A file's bytes in chunks, for files too big to hold in memory."""
+        async for chunk in self._manager.stream_file(self.id, path, actor=self._actor):
+            yield chunk
+
+    async def write_file(
+        self, path: str, data: bytes | str, *, mode: int | None = None
+    ) -> FileInfo:
+        """Create or replace a file (strings are written as UTF-8; parents are made)."""
+        (info,) = await self._manager.write_files(
+            self.id, {path: data}, actor=self._actor, mode=mode
+        )
+        return info
+
+    async def write_files(self, files: Mapping[str, bytes | str]) -> builtins.list[FileInfo]:
+        """Create or replace several files."""
+        return await self._manager.write_files(self.id, files, actor=self._actor)
+
+    async def list_files(self, path: str | None = None) -> builtins.list[FileInfo]:
+        """A directory's entries (default: the workdir)."""
+        return await self._manager.list_files(
+            self.id, path or self.info.spec.workdir, actor=self._actor
+        )
+
+    async def remove_file(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, or a directory tree with ``recursive``."""
+        await self._manager.remove_file(self.id, path, actor=self._actor, recursive=recursive)
+
+    async def logs(self, *, follow: bool = False, offset: int = 0) -> AsyncIterator[bytes]:
+        """The main process's output; ``follow`` keeps tailing it."""
+        async for chunk in self._manager.logs(
+            self.id, actor=self._actor, follow=follow, offset=offset
+        ):
+            yield chunk
+
+    async def stop(self) -> SandboxInfo:
+        """Stop every process; the filesystem stays."""
+        self.info = await self._manager.stop(self.id, actor=self._actor)
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        """Boot it again and relaunch its ``resume`` command."""
+        self.info = await self._manager.resume(self.id, actor=self._actor)
+        return self.info
+
+    async def destroy(self) -> SandboxInfo:
+        """Remove it for good (the record stays, hidden, with a death certificate)."""
+        self.info = await self._manager.destroy(self.id, actor=self._actor)
+        return self.info
+
+    async def keep_alive(self, seconds: float) -> SandboxInfo:
+        """Push the time to live out to ``seconds`` from now."""
+        self.info = await self._manager.keep_alive(self.id, seconds, actor=self._actor)
+        return self.info
+
+    async def snapshot(self) -> SnapshotInfo:
+        """Save its state."""
+        return await self._manager.snapshot(self.id, actor=self._actor)
+
+    async def restore(self, snapshot_id: str) -> SandboxInfo:
+        """Put it back to a snapshot's state."""
+        self.info = await self._manager.restore(self.id, snapshot_id, actor=self._actor)
+        return self.info
+
+    async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
+        """Make ``count`` new sandboxes from its current state."""
+        infos = await self._manager.fork(self.id, count, actor=self._actor)
+        return [AsyncSandbox(self._client, i) for i in infos]
+
+    async def expose_port(self, port: int) -> PortMapping:
+        """Publish a sandbox port on the host."""
+        mapping = await self._manager.expose_port(self.id, port, actor=self._actor)
+        await self.refresh()
+        return mapping
+
+    async def list_ports(self) -> builtins.list[PortMapping]:
+        """Published ports."""
+        return await self._manager.list_ports(self.id, actor=self._actor)
+
+
+@final
+class AsyncSandlot:
+    """The async SDK on an embedded Manager.
+
+    Args:
+        home: State directory (default ``$SANDLOT_HOME`` or ``~/.local/share/sandlot``).
+        backend: Backend for new sandboxes (default ``$SANDLOT_BACKEND`` or ``local``).
+        database: A database URL or SQLite file path (default: ``sandlot.db`` in the home).
+        backends: Backend objects to use instead of the built-in ones, by name (tests pass a
+            ``FakeBackend`` here).
+        actor: Who the calls act as (tenant and principal).
+    """
+
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        backend: str | None = None,
+        database: str | None = None,
+        *,
+        backends: Mapping[str, Backend] | None = None,
+        actor: Actor = LOCAL_ACTOR,
+    ) -> None:
+        home_dir = resolve_home(home)
+        if backend is None and backends is not None and len(backends) == 1:
+            # One backend handed in by the caller (a test's FakeBackend) is the default.
+            backend = next(iter(backends))
+        if backend is None or backend not in (backends or {}):
+            backend = default_backend_name(backend)
+        self.home = home_dir
+        self.actor = actor
+        self.manager = Manager(
+            SqlStore(database_url(database, home_dir)),
+            Backends(home_dir, extra=backends),
+            default_backend=backend,
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close connections (sandboxes keep running)."""
+        await self.manager.aclose()
+
+    async def create(
+        self,
+        spec: SandboxSpec | Mapping[str, JsonValue] | None = None,
+        *,
+        backend: str | None = None,
+        on_setup_output: OutputCallback | None = None,
+        **fields: object,
+    ) -> AsyncSandbox:
+        """Create a sandbox from a spec and/or spec fields (``image=``, ``setup=``, …).
+
+        Raises ``InvalidRequest`` naming the bad field, ``NotSupported`` when the backend
+        cannot enforce what the spec asks, ``ExecFailed`` when setup fails (the sandbox is then
+        ``failed`` and kept for inspection).
+        """
+        full = build_spec(spec, fields)
+        info = await self.manager.create(
+            full, backend=backend, actor=self.actor, on_setup_output=on_setup_output
+        )
+        return AsyncSandbox(self, info)
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        """A handle on an existing sandbox (``NotFound`` names the id)."""
+        return AsyncSandbox(self, await self.manager.get(sandbox_id, actor=self.actor))
+
+    async def list(
+        self,
+        *,
+        labels: Mapping[str, str] | None = None,
+        status: SandboxStatus | Sequence[SandboxStatus] | None = None,
+        backend: str | None = None,
+        owner: str | None = None,
+        include_destroyed: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> builtins.list[SandboxInfo]:
+        """Sandbox records, newest first."""
+        if limit is not None and limit < 0:
+            msg = f"limit must not be negative, got {limit}"
+            raise InvalidRequest(msg)
+        return await self.manager.list(
+            actor=self.actor,
+            labels=labels,
+            status=status,
+            backend=backend,
+            owner=owner,
+            include_destroyed=include_destroyed,
+            limit=limit,
+            offset=offset,
+        )
+
+    async def fork(self, source: str, count: int = 1) -> builtins.list[AsyncSandbox]:
+        """New sandboxes from a snapshot id or a sandbox id."""
+        infos = await self.manager.fork(source, count, actor=self.actor)
+        return [AsyncSandbox(self, i) for i in infos]
+
+    async def list_snapshots(self, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
+        """Snapshots, newest first."""
+        return await self.manager.list_snapshots(sandbox_id, actor=self.actor)
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot."""
+        await self.manager.delete_snapshot(snapshot_id, actor=self.actor)
+
+    async def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
+        """Sync records with the backends and reap orphans."""
+        return await self.manager.reconcile(ids)
+
+    async def stop_expired(self) -> builtins.list[str]:
+        """Stop sandboxes past their TTL or idle timeout; their ids."""
+        return await self.manager.stop_expired()

@@ -1,0 +1,343 @@
+"""The sync SDK: :class:`Sandlot` and :class:`Sandbox`, a thin facade over :mod:`sandlot.sdk`.
+
+    with Sandlot() as client:
+        with client.create() as sb:
+            print(sb.exec("echo hi").stdout)
+
+Each method runs its async twin on an event loop in a background (daemon) thread, so there
+is one source of behaviour; a test checks the two surfaces match name for name and signature
+for signature. Callbacks (``on_stdout``, …) are called on that loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Self, TypeVar, final
+
+from sandlot.manager import ReconcileReport
+from sandlot.models import (
+    LOCAL_ACTOR,
+    Actor,
+    Command,
+    ExecResult,
+    FileInfo,
+    JsonValue,
+    PortMapping,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStatus,
+    SnapshotInfo,
+)
+from sandlot.sdk import AsyncSandbox, AsyncSandlot
+
+if TYPE_CHECKING:
+    from sandlot.backends.base import Backend
+    from sandlot.channel.base import OutputCallback, Stdin
+
+__all__ = ["Sandbox", "Sandlot"]
+
+T = TypeVar("T")
+
+
+class _Loop:
+    """An asyncio loop on a daemon thread (a forgotten ``close()`` never hangs exit)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="sandlot-sdk", daemon=True
+        )
+        self.thread.start()
+
+    def run(self, coro: Coroutine[object, object, T]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            msg = "the sync SDK was called from one of its own callbacks; use the async SDK there"
+            raise RuntimeError(msg)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        try:
+            while True:
+                try:
+                    yield self.run(_anext(agen))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self.run(_aclose(agen))
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+async def _anext(agen: AsyncIterator[T]) -> T:
+    return await agen.__anext__()
+
+
+async def _aclose(agen: AsyncIterator[object]) -> None:
+    close = getattr(agen, "aclose", None)
+    if close is not None:
+        await close()
+
+
+@final
+class Sandbox:
+    """A handle on one sandbox. ``with`` destroys it on exit."""
+
+    def __init__(self, client: Sandlot, handle: AsyncSandbox) -> None:
+        self._client = client
+        self._loop = client._loop
+        self._async = handle
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self._async.id
+
+    @property
+    def status(self) -> SandboxStatus:
+        """The status as last seen."""
+        return self._async.status
+
+    @property
+    def info(self) -> SandboxInfo:
+        """The record as last seen (``refresh()`` reads it again)."""
+        return self._async.info
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.status} on {self.info.backend}>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.destroy()
+
+    def refresh(self) -> SandboxInfo:
+        """Read the record again."""
+        return self._loop.run(self._async.refresh())
+
+    def exec(
+        self,
+        command: Command | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: Stdin = None,
+        on_output: OutputCallback | None = None,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+        check: bool = False,
+        auto_resume: bool = True,
+    ) -> ExecResult:
+        """Run a command to completion; see :meth:`AsyncSandbox.exec`."""
+        return self._loop.run(
+            self._async.exec(
+                command,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                stdin=stdin,
+                on_output=on_output,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                check=check,
+                auto_resume=auto_resume,
+            )
+        )
+
+    def read_file(self, path: str) -> bytes:
+        """A file's bytes."""
+        return self._loop.run(self._async.read_file(path))
+
+    def stream_file(self, path: str) -> Iterator[bytes]:
+        """A file's bytes in chunks."""
+        return self._loop.iterate(self._async.stream_file(path))
+
+    def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> FileInfo:
+        """Create or replace a file."""
+        return self._loop.run(self._async.write_file(path, data, mode=mode))
+
+    def write_files(self, files: Mapping[str, bytes | str]) -> builtins.list[FileInfo]:
+        """Create or replace several files."""
+        return self._loop.run(self._async.write_files(files))
+
+    def list_files(self, path: str | None = None) -> builtins.list[FileInfo]:
+        """A directory's entries (default: the workdir)."""
+        return self._loop.run(self._async.list_files(path))
+
+    def remove_file(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file or a tree."""
+        self._loop.run(self._async.remove_file(path, recursive=recursive))
+
+    def logs(self, *, follow: bool = False, offset: int = 0) -> Iterator[bytes]:
+        """The main process's output; ``follow`` keeps tailing it."""
+        return self._loop.iterate(self._async.logs(follow=follow, offset=offset))
+
+    def stop(self) -> SandboxInfo:
+        """Stop every process; the filesystem stays."""
+        return self._loop.run(self._async.stop())
+
+    def resume(self) -> SandboxInfo:
+        """Boot it again."""
+        return self._loop.run(self._async.resume())
+
+    def destroy(self) -> SandboxInfo:
+        """Remove it for good."""
+        return self._loop.run(self._async.destroy())
+
+    def keep_alive(self, seconds: float) -> SandboxInfo:
+        """Push the time to live out."""
+        return self._loop.run(self._async.keep_alive(seconds))
+
+    def snapshot(self) -> SnapshotInfo:
+        """Save its state."""
+        return self._loop.run(self._async.snapshot())
+
+    def restore(self, snapshot_id: str) -> SandboxInfo:
+        """Put it back to a snapshot's state."""
+        return self._loop.run(self._async.restore(snapshot_id))
+
+    def fork(self, count: int = 1) -> builtins.list[Sandbox]:
+        """Make ``count`` new sandboxes from its current state."""
+        return [Sandbox(self._client, h) for h in self._loop.run(self._async.fork(count))]
+
+    def expose_port(self, port: int) -> PortMapping:
+        """Publish a sandbox port on the host."""
+        return self._loop.run(self._async.expose_port(port))
+
+    def list_ports(self) -> builtins.list[PortMapping]:
+        """Published ports."""
+        return self._loop.run(self._async.list_ports())
+
+
+@final
+class Sandlot:
+    """The sync SDK on an embedded Manager; arguments as for :class:`AsyncSandlot`."""
+
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        backend: str | None = None,
+        database: str | None = None,
+        *,
+        backends: Mapping[str, Backend] | None = None,
+        actor: Actor = LOCAL_ACTOR,
+    ) -> None:
+        self._loop = _Loop()
+        try:
+            self._async = self._loop.run(_build(home, backend, database, backends, actor))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @property
+    def home(self) -> Path:
+        """The state directory."""
+        return self._async.home
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close connections (sandboxes keep running)."""
+        if self._loop.loop.is_closed():
+            return
+        self._loop.run(self._async.aclose())
+        self._loop.close()
+
+    def create(
+        self,
+        spec: SandboxSpec | Mapping[str, JsonValue] | None = None,
+        *,
+        backend: str | None = None,
+        on_setup_output: OutputCallback | None = None,
+        **fields: object,
+    ) -> Sandbox:
+        """Create a sandbox; see :meth:`AsyncSandlot.create`."""
+        handle = self._loop.run(
+            self._async.create(spec, backend=backend, on_setup_output=on_setup_output, **fields)
+        )
+        return Sandbox(self, handle)
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox."""
+        return Sandbox(self, self._loop.run(self._async.get(sandbox_id)))
+
+    def list(
+        self,
+        *,
+        labels: Mapping[str, str] | None = None,
+        status: SandboxStatus | Sequence[SandboxStatus] | None = None,
+        backend: str | None = None,
+        owner: str | None = None,
+        include_destroyed: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> builtins.list[SandboxInfo]:
+        """Sandbox records, newest first."""
+        return self._loop.run(
+            self._async.list(
+                labels=labels,
+                status=status,
+                backend=backend,
+                owner=owner,
+                include_destroyed=include_destroyed,
+                limit=limit,
+                offset=offset,
+            )
+        )
+
+    def fork(self, source: str, count: int = 1) -> builtins.list[Sandbox]:
+        """New sandboxes from a snapshot id or a sandbox id."""
+        return [Sandbox(self, h) for h in self._loop.run(self._async.fork(source, count))]
+
+    def list_snapshots(self, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
+        """Snapshots, newest first."""
+        return self._loop.run(self._async.list_snapshots(sandbox_id))
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot."""
+        self._loop.run(self._async.delete_snapshot(snapshot_id))
+
+    def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
+        """Sync records with the backends and reap orphans."""
+        return self._loop.run(self._async.reconcile(ids))
+
+    def stop_expired(self) -> builtins.list[str]:
+        """Stop sandboxes past their TTL or idle timeout."""
+        return self._loop.run(self._async.stop_expired())
+
+
+async def _build(
+    home: str | Path | None,
+    backend: str | None,
+    database: str | None,
+    backends: Mapping[str, Backend] | None,
+    actor: Actor,
+) -> AsyncSandlot:
+    # Built on the loop thread, so everything the async client creates belongs to that loop.
+    return AsyncSandlot(home, backend, database, backends=backends, actor=actor)
