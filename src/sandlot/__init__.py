@@ -4,40 +4,94 @@ One API over several isolation backends, with records in a real database. Start 
 :class:`Sandlot` (sync) or :class:`AsyncSandlot` (async). This module only re-exports.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from sandlot._version import __version__
-from sandlot.errors import (
-    BackendError,
-    BackendUnavailable,
-    Conflict,
-    ExecFailed,
-    InvalidRequest,
-    InvalidState,
-    NotFound,
-    NotSupported,
-    PolicyDenied,
-    QuotaExceeded,
-    SandboxError,
-    SandboxTimeout,
-)
-from sandlot.models import (
-    Actor,
-    CommandSpec,
-    DeathCertificate,
-    ExecResult,
-    FileInfo,
-    GitSource,
-    NetworkAllowlist,
-    OutputChunk,
-    PortMapping,
-    ProcessInfo,
-    Resources,
-    SandboxInfo,
-    SandboxSpec,
-    SandboxStatus,
-    SnapshotInfo,
-)
-from sandlot.sdk import AsyncSandbox, AsyncSandlot
-from sandlot.sync import Sandbox, Sandlot
+
+if TYPE_CHECKING:
+    from sandlot.errors import (
+        BackendError,
+        BackendUnavailable,
+        Conflict,
+        ExecFailed,
+        InvalidRequest,
+        InvalidState,
+        NotFound,
+        NotSupported,
+        PolicyDenied,
+        QuotaExceeded,
+        SandboxError,
+        SandboxTimeout,
+    )
+    from sandlot.models import (
+        Actor,
+        CommandSpec,
+        DeathCertificate,
+        ExecResult,
+        FileInfo,
+        GitSource,
+        NetworkAllowlist,
+        OutputChunk,
+        PortMapping,
+        ProcessInfo,
+        Resources,
+        SandboxInfo,
+        SandboxSpec,
+        SandboxStatus,
+        SnapshotInfo,
+    )
+    from sandlot.sdk import AsyncSandbox, AsyncSandlot
+    from sandlot.sync import Sandbox, Sandlot
+
+# Imported on first use (PEP 562), so that `import sandlot.x` for a small piece (the agent,
+# the network daemon) does not pay for pydantic, SQLAlchemy and the SDK.
+_LAZY = {
+    "Actor": "sandlot.models",
+    "AsyncSandbox": "sandlot.sdk",
+    "AsyncSandlot": "sandlot.sdk",
+    "BackendError": "sandlot.errors",
+    "BackendUnavailable": "sandlot.errors",
+    "CommandSpec": "sandlot.models",
+    "Conflict": "sandlot.errors",
+    "DeathCertificate": "sandlot.models",
+    "ExecFailed": "sandlot.errors",
+    "ExecResult": "sandlot.models",
+    "FileInfo": "sandlot.models",
+    "GitSource": "sandlot.models",
+    "InvalidRequest": "sandlot.errors",
+    "InvalidState": "sandlot.errors",
+    "NetworkAllowlist": "sandlot.models",
+    "NotFound": "sandlot.errors",
+    "NotSupported": "sandlot.errors",
+    "OutputChunk": "sandlot.models",
+    "PolicyDenied": "sandlot.errors",
+    "PortMapping": "sandlot.models",
+    "ProcessInfo": "sandlot.models",
+    "QuotaExceeded": "sandlot.errors",
+    "Resources": "sandlot.models",
+    "Sandbox": "sandlot.sync",
+    "SandboxError": "sandlot.errors",
+    "SandboxInfo": "sandlot.models",
+    "SandboxSpec": "sandlot.models",
+    "SandboxStatus": "sandlot.models",
+    "SandboxTimeout": "sandlot.errors",
+    "Sandlot": "sandlot.sync",
+    "SnapshotInfo": "sandlot.models",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module 'sandlot' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Actor",

@@ -53,6 +53,7 @@ from sandlot.models import (
     DeathCertificate,
     ExecResult,
     FileInfo,
+    GitSource,
     OutputChunk,
     PortMapping,
     SandboxInfo,
@@ -238,7 +239,8 @@ class Manager:
             channel = await self._channel(sb)
             await channel.mkdir(spec.workdir)
             if spec.git is not None:
-                await self._clone(sb, channel, setup_output, tail)
+                # The caller's spec, not the stored one: the credential is never stored.
+                await self._clone(sb, spec.git, channel, setup_output, tail)
             for i, step in enumerate(spec.setup_steps()):
                 result = await self._run(sb, channel, step, setup_output)
                 if result.exit_code != 0:
@@ -287,10 +289,13 @@ class Manager:
             raise NotSupported(msg)
 
     async def _clone(
-        self, sb: SandboxInfo, channel: Channel, on_output: OutputCallback, tail: _Tail
+        self,
+        sb: SandboxInfo,
+        git: GitSource,
+        channel: Channel,
+        on_output: OutputCallback,
+        tail: _Tail,
     ) -> None:
-        git = sb.spec.git
-        assert git is not None
         env = {"GIT_TERMINAL_PROMPT": "0"}
         if git.auth:
             # Passed through the environment for this one command: it is never written into the

@@ -262,6 +262,14 @@ class SandboxSpec(_Model):
     def _workdir(cls, v: str) -> str:
         return _absolute(v)
 
+    @field_validator("network", mode="before")
+    @classmethod
+    def _network_kind(cls, v: object) -> object:
+        if isinstance(v, str) and v not in ("allow-all", "deny-all"):
+            msg = f"must be 'allow-all', 'deny-all' or an allowlist object, got {v!r}"
+            raise ValueError(msg)
+        return v
+
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:

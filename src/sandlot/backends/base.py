@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from sandlot.channel.base import Channel
     from sandlot.models import JsonValue, PortMapping, SandboxSpec
 
-__all__ = ["Backend", "BackendState", "Capabilities", "SnapshotRef"]
+__all__ = ["Backend", "BackendState", "Capabilities", "DoctorCheck", "SnapshotRef"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,24 @@ class BackendState:
     """Why it is not running when the backend knows (``oom``, ``exited``, …)."""
     detail: str = ""
     """Free text for the death certificate."""
+
+
+@dataclass(frozen=True)
+class DoctorCheck:
+    """One thing ``sandlot doctor`` checked about a backend on this host.
+
+    Each backend package offers ``doctor() -> list[DoctorCheck]``, cheap and side-effect free
+    (it may run a probe, never change the host).
+    """
+
+    name: str
+    """What was checked (``crun installed``, ``user namespaces``, …)."""
+    ok: bool
+    """Whether it is fine."""
+    detail: str = ""
+    """What was found (a version, the exact error)."""
+    fix: str = ""
+    """How to fix it, when not ok (a command to run)."""
 
 
 @dataclass(frozen=True)

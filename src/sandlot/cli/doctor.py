@@ -1,0 +1,146 @@
+"""``sandlot doctor``: what works on this host, and for what doesn't, the reason and the fix.
+
+Each backend package may offer ``doctor() -> list[DoctorCheck]``; the doctor adds the checks
+every installation needs (the state directory, the database). Nothing here changes the host.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import text
+
+from sandlot.backends.base import DoctorCheck
+from sandlot.backends.registry import BACKEND_NAMES, default_backend_name
+from sandlot.config import home as resolve_home
+from sandlot.errors import SandboxError
+from sandlot.store.sql import open_engine
+
+__all__ = ["collect", "run_doctor"]
+
+
+def _general(home_arg: Path | None, database: str | None) -> list[DoctorCheck]:
+    checks = [
+        DoctorCheck(
+            "python",
+            sys.version_info >= (3, 11),
+            f"{sys.version.split()[0]} at {sys.executable}",
+            "install Python 3.11 or newer",
+        )
+    ]
+    try:
+        home = resolve_home(home_arg)
+        writable = os.access(home, os.W_OK)
+        checks.append(DoctorCheck("state directory", writable, str(home), f"make {home} writable"))
+    except OSError as e:
+        checks.append(
+            DoctorCheck(
+                "state directory", False, str(e), "set SANDLOT_HOME to a writable directory"
+            )
+        )
+        return checks
+    from sandlot.sdk import database_url
+
+    url = database_url(database, home)
+    try:
+        engine = open_engine(url)
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        engine.dispose()
+        checks.append(DoctorCheck("database", True, _redact(url)))
+    except (SandboxError, Exception) as e:
+        checks.append(
+            DoctorCheck(
+                "database", False, f"{_redact(url)}: {e}", "check --database / SANDLOT_DATABASE_URL"
+            )
+        )
+    return checks
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest
+
+
+def _backend_checks(name: str) -> list[DoctorCheck]:
+    if name == "fake":
+        return [DoctorCheck("fake", True, "in memory (for tests); no isolation")]
+    try:
+        module = importlib.import_module(f"sandlot.backends.{name}")
+    except ImportError as e:
+        return [DoctorCheck(name, False, f"not in this build: {e}", "upgrade sandlot")]
+    probe = getattr(module, "doctor", None)
+    if probe is None:
+        return [DoctorCheck(name, False, "this backend offers no self-check", "")]
+    try:
+        return [DoctorCheck(f"{name}: {c.name}", c.ok, c.detail, c.fix) for c in probe()]
+    except Exception as e:
+        return [DoctorCheck(name, False, f"self-check crashed: {e!r}", "report a bug")]
+
+
+def collect(home: Path | None, database: str | None) -> dict[str, list[DoctorCheck]]:
+    """Every check, grouped: ``general`` and one group per backend."""
+    groups = {"general": _general(home, database)}
+    for name in BACKEND_NAMES:
+        groups[name] = _backend_checks(name)
+    return groups
+
+
+def run_doctor(home: Path | None, database: str | None, *, as_json: bool, console: Console) -> int:
+    """Print the checks; exit code 0 when the default backend and the basics work."""
+    groups = collect(home, database)
+    try:
+        default = default_backend_name(None)
+    except SandboxError:
+        default = "local"
+    usable = {
+        name: all(c.ok for c in checks) for name, checks in groups.items() if name != "general"
+    }
+    ok = all(c.ok for c in groups["general"]) and usable.get(default, False)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "default_backend": default,
+                    "backends": {n: {"usable": u} for n, u in usable.items()},
+                    "checks": {
+                        g: [
+                            {"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix}
+                            for c in cs
+                        ]
+                        for g, cs in groups.items()
+                    },
+                },
+                indent=2,
+            )
+        )
+        return 0 if ok else 1
+    for group, checks in groups.items():
+        title = (
+            group
+            if group == "general"
+            else f"backend {group}" + (" (default)" if group == default else "")
+        )
+        verdict = (
+            ""
+            if group == "general"
+            else (" [green]usable[/green]" if usable[group] else " [red]not usable[/red]")
+        )
+        console.print(f"[bold]{title}[/bold]{verdict}")
+        table = Table.grid(padding=(0, 2))
+        for c in checks:
+            mark = "[green]ok[/green]" if c.ok else "[red]no[/red]"
+            table.add_row(f"  {mark}", c.name, c.detail)
+            if not c.ok and c.fix:
+                table.add_row("", "", f"[yellow]fix:[/yellow] {c.fix}")
+        console.print(table)
+    return 0 if ok else 1

@@ -1,0 +1,244 @@
+"""Turning command-line options into a :class:`SandboxSpec`.
+
+``create`` and ``run`` take every spec field as an option, or a whole spec from ``--spec
+FILE`` (JSON or TOML) with options laid over it. Bad input becomes one ``InvalidRequest``
+naming the option. This module must not import backends.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sandlot.errors import InvalidRequest
+from sandlot.models import SandboxSpec, parse_model
+
+__all__ = ["parse_pairs", "spec_from_options"]
+
+
+def parse_pairs(values: list[str] | None, option: str) -> dict[str, str]:
+    """``["K=V", …]`` as a dict; a missing ``=`` is an error naming the option."""
+    out: dict[str, str] = {}
+    for item in values or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            msg = f"{option} expects KEY=VALUE, got {item!r}"
+            raise InvalidRequest(msg)
+        out[key] = value
+    return out
+
+
+def _load_spec_file(path: Path) -> dict[str, object]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        msg = f"--spec: cannot read {path}: {e.strerror}"
+        raise InvalidRequest(msg) from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        msg = f"--spec: {path} is not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {e}"
+        raise InvalidRequest(msg) from None
+    if not isinstance(data, dict):
+        msg = f"--spec: {path} must hold an object"
+        raise InvalidRequest(msg)
+    return data
+
+
+def _network(
+    value: str | None, allow_domains: list[str], allow_cidrs: list[str], deny_cidrs: list[str]
+) -> object:
+    if allow_domains or allow_cidrs or deny_cidrs:
+        if value not in (None, "allowlist"):
+            msg = "--network must be 'allowlist' (or omitted) with --allow-domain/--allow-cidr/--deny-cidr"
+            raise InvalidRequest(msg)
+        return {
+            "allow_domains": allow_domains,
+            "allow_cidrs": allow_cidrs,
+            "deny_cidrs": deny_cidrs,
+        }
+    if value is None:
+        return None
+    if value.startswith("{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            msg = f"--network: not valid JSON: {value!r}"
+            raise InvalidRequest(msg) from None
+    return value
+
+
+ImageOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--image", help="Root filesystem: a directory, a rootfs tarball, or oci:PATH:TAG."
+    ),
+]
+WorkdirOpt = Annotated[
+    str | None, typer.Option("--workdir", help="Absolute working directory (default /workspace).")
+]
+EnvOpt = Annotated[
+    list[str] | None,
+    typer.Option("--env", "-e", help="Environment variable KEY=VALUE (repeatable)."),
+]
+LabelOpt = Annotated[
+    list[str] | None, typer.Option("--label", "-l", help="Label KEY=VALUE (repeatable).")
+]
+NetworkOpt = Annotated[
+    str | None, typer.Option("--network", help="allow-all, deny-all, or a JSON allowlist.")
+]
+AllowDomainOpt = Annotated[
+    list[str] | None,
+    typer.Option("--allow-domain", help="Allow egress to a domain (*.example.com for subdomains)."),
+]
+AllowCidrOpt = Annotated[
+    list[str] | None, typer.Option("--allow-cidr", help="Allow egress to an address range.")
+]
+DenyCidrOpt = Annotated[
+    list[str] | None, typer.Option("--deny-cidr", help="Never allow egress to an address range.")
+]
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Time to live in seconds.")]
+IdleOpt = Annotated[
+    float | None, typer.Option("--idle-timeout", help="Stop after this many idle seconds.")
+]
+SetupOpt = Annotated[
+    list[str] | None,
+    typer.Option("--setup", help="Setup command run once after create (repeatable, in order)."),
+]
+StartOpt = Annotated[str | None, typer.Option("--start", help="Main process, launched detached.")]
+ResumeOpt = Annotated[
+    str | None, typer.Option("--resume", help="Launched on resume (default: --start).")
+]
+PortOpt = Annotated[
+    list[int] | None,
+    typer.Option("--port", "-p", help="Expose a sandbox port on the host (repeatable)."),
+]
+CpusOpt = Annotated[float | None, typer.Option("--cpus", help="CPU limit in cores.")]
+MemoryOpt = Annotated[int | None, typer.Option("--memory", help="Memory limit in MiB.")]
+PidsOpt = Annotated[int | None, typer.Option("--pids", help="Process limit.")]
+DiskOpt = Annotated[int | None, typer.Option("--disk", help="Writable layer size in MiB.")]
+OwnerOpt = Annotated[str | None, typer.Option("--owner", help="Owner name.")]
+GitOpt = Annotated[
+    str | None, typer.Option("--git", help="Repository URL cloned into the workdir.")
+]
+GitRevOpt = Annotated[
+    str | None, typer.Option("--git-revision", help="Branch, tag or commit to check out.")
+]
+GitDepthOpt = Annotated[int | None, typer.Option("--git-depth", help="Shallow clone depth.")]
+GitAuthOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--git-auth",
+        envvar="SANDLOT_GIT_AUTH",
+        help="Authorization header value for the clone (never stored).",
+        show_envvar=True,
+    ),
+]
+OptionOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--option",
+        "-o",
+        help="Backend option BACKEND.KEY=VALUE (value parsed as JSON if it can be).",
+    ),
+]
+SpecOpt = Annotated[
+    Path | None,
+    typer.Option("--spec", help="A whole spec as a JSON or TOML file; options override it."),
+]
+
+
+def _backend_options(values: list[str] | None) -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = {}
+    for key, raw in parse_pairs(values, "--option").items():
+        backend, dot, name = key.partition(".")
+        if not dot or not backend or not name:
+            msg = f"--option expects BACKEND.KEY=VALUE, got {key!r}"
+            raise InvalidRequest(msg)
+        try:
+            value: object = json.loads(raw)
+        except ValueError:
+            value = raw
+        out.setdefault(backend, {})[name] = value
+    return out
+
+
+def spec_from_options(v: dict[str, object]) -> SandboxSpec:
+    """The spec the options (by parameter name) describe: ``--spec`` file first, options
+    over it."""
+    spec_file = v.get("spec")
+    base: dict[str, object] = _load_spec_file(spec_file) if isinstance(spec_file, Path) else {}
+    fields: dict[str, object] = {}
+
+    def put(name: str, value: object) -> None:
+        if value is not None and value != [] and value != {}:
+            fields[name] = value
+
+    put("image", v.get("image"))
+    put("workdir", v.get("workdir"))
+    put("env", {**_dict(base.get("env")), **parse_pairs(_list(v.get("env")), "--env")} or None)
+    put(
+        "labels",
+        {**_dict(base.get("labels")), **parse_pairs(_list(v.get("label")), "--label")} or None,
+    )
+    put(
+        "network",
+        _network(
+            _str(v.get("network")),
+            _list(v.get("allow_domain")),
+            _list(v.get("allow_cidr")),
+            _list(v.get("deny_cidr")),
+        ),
+    )
+    put("timeout", v.get("timeout"))
+    put("idle_timeout", v.get("idle_timeout"))
+    setup = _list(v.get("setup"))
+    put("setup", setup if len(setup) != 1 else setup[0])
+    put("start", v.get("start"))
+    put("resume", v.get("resume"))
+    put("ports", v.get("port"))
+    put("owner", v.get("owner"))
+    resources = {
+        k: val
+        for k, val in (
+            ("vcpus", v.get("cpus")),
+            ("memory_mb", v.get("memory")),
+            ("pids", v.get("pids")),
+            ("disk_mb", v.get("disk")),
+        )
+        if val is not None
+    }
+    put("resources", {**_dict(base.get("resources")), **resources} or None)
+    if v.get("git") is not None:
+        git = {
+            "url": v["git"],
+            "revision": v.get("git_revision"),
+            "depth": v.get("git_depth"),
+            "auth": v.get("git_auth"),
+        }
+        put("git", {k: val for k, val in git.items() if val is not None})
+    elif v.get("git_auth") and isinstance(base.get("git"), dict):
+        put("git", {**_dict(base.get("git")), "auth": v.get("git_auth")})
+    options = _backend_options(_list(v.get("option")))
+    if options:
+        merged = {k: dict(_dict(val)) for k, val in _dict(base.get("backend_options")).items()}
+        for backend, values in options.items():
+            merged.setdefault(backend, {}).update(values)
+        put("backend_options", merged)
+    return parse_model(SandboxSpec, {**base, **fields})
+
+
+def _list(value: object) -> list[str]:
+    return [str(x) for x in value] if isinstance(value, list) else []
+
+
+def _dict(value: object) -> dict[str, object]:
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None

@@ -1,0 +1,142 @@
+"""The CLI as a user runs it: the real console script, one process per command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SANDLOT = [sys.executable, "-m", "sandlot"]
+
+
+def sandlot(
+    *args: str, stdin: str | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SANDLOT_BACKEND": "fake", "COLUMNS": "200"}
+    proc = subprocess.run(
+        [*SANDLOT, *args], input=stdin, capture_output=True, text=True, env=env, timeout=60
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_create_list_get_exec_destroy_across_invocations() -> None:
+    created = sandlot(
+        "create", "--label", "team=a", "--setup", "echo preparing", "--json", check=True
+    )
+    info = json.loads(created.stdout)
+    assert {"id", "status", "backend"} <= info.keys()
+    assert (info["status"], info["backend"]) == ("running", "fake")
+    sid = info["id"]
+
+    listed = json.loads(sandlot("list", "--json", check=True).stdout)
+    assert [s["id"] for s in listed] == [sid]
+    assert sid in sandlot("list", check=True).stdout
+    assert json.loads(sandlot("list", "--label", "team=b", "--json", check=True).stdout) == []
+
+    ran = sandlot("exec", sid, "--", "echo", "hello world")
+    assert (ran.returncode, ran.stdout) == (0, "hello world\n")
+    assert sandlot("exec", sid, "--", "false").returncode == 1
+    assert sandlot("exec", sid, "--shell", "--", "exit 7").returncode == 7
+    as_json = json.loads(sandlot("exec", sid, "--json", "--", "echo", "x").stdout)
+    assert as_json["exit_code"] == 0
+
+    sandlot("write-file", sid, "/workspace/in.txt", "-", stdin="data\n", check=True)
+    assert sandlot("read-file", sid, "/workspace/in.txt", check=True).stdout == "data\n"
+    files = json.loads(sandlot("list-files", sid, "--json", check=True).stdout)
+    assert [f["name"] for f in files] == ["in.txt"]
+
+    assert "stopped" in sandlot("stop", sid, check=True).stdout
+    assert "running" in sandlot("resume", sid, check=True).stdout
+    destroyed = json.loads(sandlot("destroy", sid, "--json", check=True).stdout)
+    assert destroyed["status"] == "destroyed"
+    assert destroyed["death"]["cause"] == "destroyed"
+    assert json.loads(sandlot("list", "--json", check=True).stdout) == []
+    assert [s["id"] for s in json.loads(sandlot("list", "--all", "--json", check=True).stdout)] == [
+        sid
+    ]
+
+
+def test_run_exits_with_the_commands_code_and_leaves_nothing() -> None:
+    ok = sandlot("run", "--", "echo", "once")
+    assert (ok.returncode, ok.stdout) == (0, "once\n")
+    bad = sandlot("run", "--shell", "--", "exit 5")
+    assert bad.returncode == 5
+    remaining = json.loads(sandlot("list", "--json", check=True).stdout)
+    assert remaining == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("get", "sb-nope"), "no sandbox 'sb-nope'"),
+        (("create", "--env", "1BAD=x"), "env: '1BAD' is not a valid environment variable name"),
+        (("create", "--port", "70000"), "ports: 70000 is outside 1..65535"),
+        (("create", "--workdir", "rel"), "workdir: must be an absolute path"),
+        (("create", "--timeout", "-5"), "timeout: must be a positive number"),
+        (("create", "--deny-cidr", "10.0.0.0/33"), "'10.0.0.0/33' is not a valid CIDR"),
+        (
+            ("create", "--network", "sometimes"),
+            "network: must be 'allow-all', 'deny-all' or an allowlist",
+        ),
+        (("create", "--label", "novalue"), "--label expects KEY=VALUE"),
+        (("create", "--spec", "/does/not/exist.json"), "--spec: cannot read"),
+        (("exec", "sb-nope", "--", "true"), "no sandbox 'sb-nope'"),
+        (("--backend", "warp", "create"), "unknown backend 'warp'"),
+    ],
+)
+def test_bad_input_is_one_clear_line_no_traceback(args: tuple[str, ...], message: str) -> None:
+    proc = sandlot(*args)
+    assert proc.returncode == 1
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_errors_as_json() -> None:
+    proc = sandlot("get", "sb-nope", "--json")
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["error"]["code"] == "not_found"
+
+
+def test_spec_file(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.toml"
+    spec.write_text('workdir = "/src"\nsetup = ["echo a"]\n[labels]\nfrom = "file"\n')
+    info = json.loads(
+        sandlot("create", "--spec", str(spec), "--label", "extra=1", "--json", check=True).stdout
+    )
+    assert info["spec"]["workdir"] == "/src"
+    assert info["spec"]["labels"] == {"from": "file", "extra": "1"}
+
+
+def test_setup_failure_reports_and_get_shows_the_death_certificate() -> None:
+    proc = sandlot("create", "--setup", "echo compiling", "--setup", "exit 2")
+    assert proc.returncode == 1
+    assert "setup step 2 exited with 2" in proc.stderr
+    (sb,) = json.loads(sandlot("list", "--status", "failed", "--json", check=True).stdout)
+    shown = sandlot("get", sb["id"], check=True).stdout
+    assert "setup_failed" in shown
+    assert "compiling" in shown
+
+
+def test_help_and_version() -> None:
+    assert "sandlot" in sandlot("--version", check=True).stdout
+    help_text = sandlot("--help", check=True).stdout
+    for command in ("create", "list", "exec", "run", "logs", "doctor", "reconcile", "fork"):
+        assert command in help_text
+
+
+def test_doctor_json() -> None:
+    proc = sandlot("doctor", "--json")
+    report = json.loads(proc.stdout)
+    assert report["backends"]["fake"]["usable"] is True
+    assert {c["name"] for c in report["checks"]["general"]} >= {
+        "python",
+        "state directory",
+        "database",
+    }
