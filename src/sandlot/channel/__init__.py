@@ -1,1 +1,1 @@
-"""sandlot.channel."""
+"""How the Manager talks to a running sandbox: the Channel protocol and the agent client."""
