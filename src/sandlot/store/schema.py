@@ -63,7 +63,12 @@ snapshots = Table(
 )
 
 # Packages whose tables live on this metadata; imported for their side effect.
-_TABLE_MODULES = ("sandlot.receipts.schema", "sandlot.journal.schema")
+_TABLE_MODULES = (
+    "sandlot.receipts.schema",
+    "sandlot.gate.schema",
+    "sandlot.journal.schema",
+    "sandlot.server.schema",
+)
 
 
 def load_all() -> MetaData:

@@ -1,0 +1,424 @@
+"""What a receipt says: entries (what the caller reports), bodies (what gets signed), receipts.
+
+The caller describes an event as an :class:`Entry` (built with :func:`decision_entry`,
+:func:`execution_entry`, :func:`approval_entry`, or directly for free types such as
+``network.egress``). The log adds the chain fields (``log_id``, ``seq``, ``lamport``, ``ts``,
+``prev_hash``, ``key_id``) and seals the body into a DSSE envelope: a :class:`Receipt`. Every
+field of the body is signed; nothing but the envelope lies outside the signature.
+
+Body v1 (fields that are None are left out)::
+
+    {"v": 1, "type": "decision", "log_id": "<origin>", "seq": 42, "lamport": 42,
+     "ts": "2026-01-01T00:00:00.000000Z", "tenant": "…", "principal": "agent:…",
+     "sandbox_id": "sbx_…", "op": "exec", "request_hash": "sha256:…",
+     "decision": "ALLOW|DENY|HOLD", "reason_code": "OK",
+     "policy": {"engine": "cedar", "policy_hash": "sha256:…", "matched": ["…"]},
+     "decision_ref": "sha256:…", "output_hash": "sha256:…", "exit_code": 0,
+     "intent_id": "…", "idempotency_key": "…", "detail": {…},
+     "prev_hash": "sha256:…", "key_id": "ed25519:…"}
+
+This module imports nothing from sandlot but :mod:`sandlot.errors` and the receipts' own
+``canonical``, ``dsse`` and ``signer`` modules; it must not import the database.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import final
+
+from sandlot.errors import InvalidRequest
+from sandlot.receipts.canonical import JsonValue, canonical_json, parse_digest_ref, sha256_ref
+from sandlot.receipts.dsse import Envelope, sign_envelope
+from sandlot.receipts.signer import Signer
+
+__all__ = [
+    "APPROVAL",
+    "DECISION",
+    "EXECUTION",
+    "KEY_ROTATION",
+    "PAYLOAD_TYPE",
+    "Decision",
+    "Entry",
+    "PolicyRef",
+    "Receipt",
+    "approval_entry",
+    "decision_entry",
+    "execution_entry",
+    "seal",
+]
+
+#: The DSSE payload type of every receipt; the verifier accepts no other.
+PAYLOAD_TYPE = "application/vnd.sandlot.receipt.v1+json"
+
+DECISION = "decision"
+EXECUTION = "execution"
+APPROVAL = "approval"
+KEY_ROTATION = "key_rotation"
+
+_MAX_SAFE_INT = 2**53 - 1
+
+
+class Decision(enum.StrEnum):
+    """What the policy gate decided."""
+
+    ALLOW = "ALLOW"
+    DENY = "DENY"
+    HOLD = "HOLD"
+
+
+@final
+@dataclass(frozen=True, kw_only=True)
+class PolicyRef:
+    """Which policy decided: the engine, the hash of the policy set, the policies that matched."""
+
+    engine: str
+    policy_hash: str
+    matched: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, JsonValue]:
+        """The ``policy`` object of a receipt body."""
+        return {
+            "engine": self.engine,
+            "policy_hash": self.policy_hash,
+            "matched": list(self.matched),
+        }
+
+
+@final
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """An event to record, before the log gives it a place in the chain.
+
+    Attributes:
+        type: ``decision``, ``execution``, ``approval``, ``key_rotation`` or a free type
+            (``network.egress``, …).
+        op: The operation (``exec``, ``fs.write``, ``sandbox.create``, …).
+        tenant: The tenant the operation belongs to.
+        principal: Who asked (``agent:<id>@<tenant>``, ``user:…``).
+        sandbox_id: The sandbox concerned, if any.
+        request_hash: ``sha256:`` of the canonical normalized request.
+        decision: ALLOW, DENY or HOLD (decisions and approvals).
+        reason_code: Why (``OK``, ``POLICY_DENY``, ``POLICY_ERROR``, …).
+        policy: The policy that decided.
+        decision_ref: ``entry_hash`` of the receipt this one follows from (an execution's
+            decision, an approval's HOLD).
+        output_hash: ``sha256:`` of what the execution produced.
+        exit_code: The execution's exit code.
+        intent_id: The journal intent, if any.
+        idempotency_key: The caller's idempotency key, if any.
+        detail: Type-specific data (JSON object).
+    """
+
+    type: str
+    op: str | None = None
+    tenant: str | None = None
+    principal: str | None = None
+    sandbox_id: str | None = None
+    request_hash: str | None = None
+    decision: Decision | None = None
+    reason_code: str | None = None
+    policy: PolicyRef | None = None
+    decision_ref: str | None = None
+    output_hash: str | None = None
+    exit_code: int | None = None
+    intent_id: str | None = None
+    idempotency_key: str | None = None
+    detail: Mapping[str, JsonValue] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.type:
+            msg = "a receipt needs a type"
+            raise InvalidRequest(msg)
+        for name in ("request_hash", "decision_ref", "output_hash"):
+            value = getattr(self, name)
+            if value is not None:
+                parse_digest_ref(value)
+        if self.policy is not None:
+            parse_digest_ref(self.policy.policy_hash)
+        if self.exit_code is not None and abs(self.exit_code) > _MAX_SAFE_INT:
+            msg = f"exit_code out of range: {self.exit_code}"
+            raise InvalidRequest(msg)
+        _check_shape(self)
+
+    def fields(self) -> dict[str, JsonValue]:
+        """The entry's part of a receipt body (None fields left out)."""
+        out: dict[str, JsonValue] = {"type": self.type}
+        for name in _OPTIONAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.decision is not None:
+            out["decision"] = self.decision.value
+        if self.policy is not None:
+            out["policy"] = self.policy.to_json()
+        if self.detail is not None:
+            out["detail"] = dict(self.detail)
+        return out
+
+
+_OPTIONAL_FIELDS = (
+    "op",
+    "tenant",
+    "principal",
+    "sandbox_id",
+    "request_hash",
+    "reason_code",
+    "decision_ref",
+    "output_hash",
+    "exit_code",
+    "intent_id",
+    "idempotency_key",
+)
+
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    DECISION: ("op", "request_hash", "decision", "reason_code"),
+    EXECUTION: ("op", "request_hash", "decision_ref"),
+    APPROVAL: ("request_hash", "decision", "reason_code", "decision_ref"),
+    KEY_ROTATION: ("detail",),
+}
+
+
+def _check_shape(entry: Entry) -> None:
+    missing = [f for f in _REQUIRED.get(entry.type, ()) if getattr(entry, f) is None]
+    if missing:
+        msg = f"a {entry.type} receipt needs {', '.join(missing)}"
+        raise InvalidRequest(msg)
+    if entry.decision is Decision.HOLD and entry.type != DECISION:
+        msg = "only a decision can be HOLD"
+        raise InvalidRequest(msg)
+
+
+def decision_entry(
+    *,
+    op: str,
+    request_hash: str,
+    decision: Decision,
+    reason_code: str,
+    policy: PolicyRef | None = None,
+    tenant: str | None = None,
+    principal: str | None = None,
+    sandbox_id: str | None = None,
+    intent_id: str | None = None,
+    idempotency_key: str | None = None,
+    detail: Mapping[str, JsonValue] | None = None,
+) -> Entry:
+    """A policy decision about one normalized request (written before anything executes)."""
+    return Entry(
+        type=DECISION,
+        op=op,
+        request_hash=request_hash,
+        decision=decision,
+        reason_code=reason_code,
+        policy=policy,
+        tenant=tenant,
+        principal=principal,
+        sandbox_id=sandbox_id,
+        intent_id=intent_id,
+        idempotency_key=idempotency_key,
+        detail=detail,
+    )
+
+
+def execution_entry(
+    authorization: Receipt,
+    *,
+    output_hash: str | None = None,
+    exit_code: int | None = None,
+    detail: Mapping[str, JsonValue] | None = None,
+) -> Entry:
+    """The outcome of executing what ``authorization`` allowed.
+
+    Args:
+        authorization: The ALLOW decision receipt (or the ALLOW approval of a HOLD).
+        output_hash: ``sha256:`` of the output, if there was any.
+        exit_code: The exit code, if the operation has one.
+        detail: Type-specific data.
+
+    Raises:
+        InvalidRequest: ``authorization`` is not an ALLOW decision or approval.
+    """
+    if (
+        authorization.type not in (DECISION, APPROVAL)
+        or authorization.decision is not Decision.ALLOW
+    ):
+        msg = f"receipt {authorization.seq} is not an ALLOW decision; nothing may execute on it"
+        raise InvalidRequest(msg)
+    b = authorization.body
+    return Entry(
+        type=EXECUTION,
+        op=_opt_str(b.get("op")),
+        tenant=_opt_str(b.get("tenant")),
+        principal=_opt_str(b.get("principal")),
+        sandbox_id=_opt_str(b.get("sandbox_id")),
+        request_hash=authorization.request_hash,
+        decision_ref=authorization.entry_hash,
+        intent_id=_opt_str(b.get("intent_id")),
+        idempotency_key=_opt_str(b.get("idempotency_key")),
+        output_hash=output_hash,
+        exit_code=exit_code,
+        detail=detail,
+    )
+
+
+def approval_entry(
+    hold: Receipt,
+    *,
+    decision: Decision,
+    principal: str,
+    reason_code: str = "APPROVED",
+    detail: Mapping[str, JsonValue] | None = None,
+) -> Entry:
+    """A human's or agent's answer to a HOLD decision.
+
+    Args:
+        hold: The HOLD decision receipt.
+        decision: ALLOW or DENY.
+        principal: Who approved or denied.
+        reason_code: Why (``APPROVED``, ``REJECTED``, ``HOLD_TIMEOUT``, …).
+        detail: Type-specific data.
+
+    Raises:
+        InvalidRequest: ``hold`` is not a HOLD decision, or ``decision`` is HOLD.
+    """
+    if hold.type != DECISION or hold.decision is not Decision.HOLD:
+        msg = f"receipt {hold.seq} is not a HOLD decision"
+        raise InvalidRequest(msg)
+    b = hold.body
+    return Entry(
+        type=APPROVAL,
+        op=_opt_str(b.get("op")),
+        tenant=_opt_str(b.get("tenant")),
+        sandbox_id=_opt_str(b.get("sandbox_id")),
+        principal=principal,
+        request_hash=hold.request_hash,
+        decision=decision,
+        reason_code=reason_code,
+        decision_ref=hold.entry_hash,
+        detail=detail,
+    )
+
+
+@final
+@dataclass(frozen=True, eq=False)
+class Receipt:
+    """One signed receipt: its body, its DSSE envelope and its place in the chain.
+
+    Attributes:
+        seq: Position in the log, from 1, contiguous.
+        lamport: The Lamport clock value.
+        type: The receipt type.
+        entry_hash: ``sha256:`` of the signed payload; what ``prev_hash`` and
+            ``decision_ref`` point at, and the receipt's id.
+        body: The signed body.
+        envelope: The DSSE envelope.
+        line: The receipt as one JSONL line (the canonical envelope, no newline).
+    """
+
+    seq: int
+    lamport: int
+    type: str
+    entry_hash: str
+    body: Mapping[str, JsonValue]
+    envelope: Envelope
+    line: str
+
+    @property
+    def leaf_hash(self) -> bytes:
+        """The RFC 9162 Merkle leaf hash of the payload."""
+        return hashlib.sha256(b"\x00" + self.envelope.payload).digest()
+
+    @property
+    def key_id(self) -> str:
+        """The key that signed (for a rotation: the old key)."""
+        return _opt_str(self.body.get("key_id")) or ""
+
+    @property
+    def prev_hash(self) -> str:
+        """``entry_hash`` of the previous receipt."""
+        return _opt_str(self.body.get("prev_hash")) or ""
+
+    @property
+    def decision(self) -> Decision | None:
+        """ALLOW, DENY or HOLD, for decisions and approvals."""
+        value = self.body.get("decision")
+        if not isinstance(value, str):
+            return None
+        try:
+            return Decision(value)
+        except ValueError:
+            return None
+
+    @property
+    def reason_code(self) -> str | None:
+        """Why the decision went the way it did."""
+        return _opt_str(self.body.get("reason_code"))
+
+    @property
+    def request_hash(self) -> str | None:
+        """``sha256:`` of the normalized request."""
+        return _opt_str(self.body.get("request_hash"))
+
+    @classmethod
+    def from_line(cls, line: str) -> Receipt:
+        """Parse one JSONL line (no signature check: see :mod:`sandlot.receipts.verify`).
+
+        Raises:
+            InvalidRequest: The line is not a canonical envelope around a receipt body.
+        """
+        envelope = Envelope.from_json(line)
+        body = _parse_body(envelope.payload)
+        return cls(
+            seq=_int(body, "seq"),
+            lamport=_int(body, "lamport"),
+            type=_opt_str(body.get("type")) or "",
+            entry_hash=sha256_ref(envelope.payload),
+            body=body,
+            envelope=envelope,
+            line=line.removesuffix("\n"),
+        )
+
+
+def seal(body: dict[str, JsonValue], signers: Sequence[Signer]) -> Receipt:
+    """Sign a complete body (chain fields included) into a receipt.
+
+    ``signers[0]`` is the key named by ``body["key_id"]``; a rotation adds the new key second.
+    """
+    payload = canonical_json(body)
+    envelope = sign_envelope(PAYLOAD_TYPE, payload, signers)
+    return Receipt(
+        seq=_int(body, "seq"),
+        lamport=_int(body, "lamport"),
+        type=str(body["type"]),
+        entry_hash=sha256_ref(payload),
+        body=body,
+        envelope=envelope,
+        line=envelope.to_json(),
+    )
+
+
+def _parse_body(payload: bytes) -> dict[str, JsonValue]:
+    try:
+        body = json.loads(payload)
+    except ValueError as e:
+        msg = f"receipt payload is not JSON: {e}"
+        raise InvalidRequest(msg) from e
+    if not isinstance(body, dict):
+        msg = "receipt payload is not a JSON object"
+        raise InvalidRequest(msg)
+    return body
+
+
+def _int(body: Mapping[str, JsonValue], name: str) -> int:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"receipt field {name!r} must be an integer, got {value!r}"
+        raise InvalidRequest(msg)
+    return value
+
+
+def _opt_str(value: JsonValue | None) -> str | None:
+    return value if isinstance(value, str) else None
