@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import hashlib
 import os
 import secrets
 import socket
@@ -45,6 +46,7 @@ from sandlot.errors import (
     SandboxError,
     SandboxTimeout,
 )
+from sandlot.gate.gate import SYSTEM
 from sandlot.models import (
     LOCAL_ACTOR,
     Actor,
@@ -54,6 +56,7 @@ from sandlot.models import (
     ExecResult,
     FileInfo,
     GitSource,
+    JsonValue,
     OutputChunk,
     PortMapping,
     SandboxInfo,
@@ -63,9 +66,12 @@ from sandlot.models import (
     new_id,
     utcnow,
 )
+from sandlot.policy.request import Resource
 from sandlot.store.base import SandboxQuery
 
 if TYPE_CHECKING:
+    from sandlot.gate.gate import Approval, Authorization, Gate
+    from sandlot.policy import Explanation
     from sandlot.store.base import Store
 
 __all__ = ["Manager", "ReconcileReport", "command_argv"]
@@ -102,6 +108,15 @@ class ReconcileReport:
     """Backends or sandboxes that could not be checked, and why."""
 
 
+class _Outcome:
+    """What an operation reports for its execution receipt (filled in while it runs)."""
+
+    def __init__(self) -> None:
+        self.output: bytes | None = None
+        self.exit_code: int | None = None
+        self.detail: dict[str, JsonValue] = {}
+
+
 class _Tail:
     """Keeps the last lines of a stream of output chunks (for death certificates)."""
 
@@ -127,6 +142,8 @@ class Manager:
         default_backend: The name of the backend for new sandboxes.
         transition_timeout: How long a request waits for another's transition (seconds).
         create_timeout: After this, a creation in flight counts as abandoned (seconds).
+        gate: The policy gate every operation passes first (None: no policy, no receipts —
+            for unit tests of the lifecycle only; the SDK always has one).
     """
 
     def __init__(
@@ -137,6 +154,7 @@ class Manager:
         default_backend: str,
         transition_timeout: float = 120.0,
         create_timeout: float = 3600.0,
+        gate: Gate | None = None,
     ) -> None:
         if default_backend not in backends:
             msg = f"default backend {default_backend!r} is not among {sorted(backends)}"
@@ -146,6 +164,7 @@ class Manager:
         self.default_backend = default_backend
         self.transition_timeout = transition_timeout
         self.create_timeout = create_timeout
+        self.gate = gate
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._channels: dict[str, tuple[str, Channel]] = {}
         self._used: dict[str, Backend] = {}
@@ -185,6 +204,80 @@ class Manager:
             )
         )
 
+    # -- the gate -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _gated(
+        self,
+        actor: Actor,
+        action: str,
+        target: SandboxInfo | Resource,
+        **args: object,
+    ) -> AsyncIterator[_Outcome]:
+        """Decide (and record) before the body runs; record what it did after.
+
+        Nothing in the body runs unless the gate allowed it, and every allowed operation gets
+        an execution receipt, also when it fails.
+        """
+        outcome = _Outcome()
+        if self.gate is None:
+            yield outcome
+            return
+        resource = target if isinstance(target, Resource) else Resource.of(target)
+        auth = await self.gate.authorize(actor, action, resource, args)
+        try:
+            yield outcome
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                await self._complete(auth, outcome, error=f"{type(e).__name__}: {e}")
+            raise
+        await self._complete(auth, outcome)
+
+    async def _complete(
+        self, auth: Authorization, outcome: _Outcome, error: str | None = None
+    ) -> None:
+        assert self.gate is not None
+        await self.gate.complete(
+            auth,
+            output=outcome.output,
+            exit_code=outcome.exit_code,
+            error=error,
+            detail=outcome.detail or None,
+        )
+
+    async def explain(
+        self,
+        action: str,
+        sandbox_id: str,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        **args: object,
+    ) -> Explanation:
+        """What the policy would decide about an operation and why, without running it."""
+        gate = self._require_gate()
+        sb = await self.get(sandbox_id, actor=actor)
+        return await gate.explain(actor, action, Resource.of(sb), args)
+
+    async def list_approvals(
+        self, *, actor: Actor = LOCAL_ACTOR, status: str | None = "pending"
+    ) -> builtins.list[Approval]:
+        """HOLD decisions (pending by default) of the actor's tenant, newest first."""
+        return await self._require_gate().list_approvals(actor, status=status)
+
+    async def approve(self, approval_id: str, *, actor: Actor = LOCAL_ACTOR) -> Approval:
+        """Let a held operation run (the answer is a signed receipt)."""
+        return await self._require_gate().answer(approval_id, actor, allow=True)
+
+    async def deny(self, approval_id: str, *, actor: Actor = LOCAL_ACTOR) -> Approval:
+        """Refuse a held operation (the answer is a signed receipt)."""
+        return await self._require_gate().answer(approval_id, actor, allow=False)
+
+    def _require_gate(self) -> Gate:
+        if self.gate is None:
+            msg = "this manager runs without a policy gate"
+            raise NotSupported(msg)
+        return self.gate
+
     # -- create -----------------------------------------------------------------------------
 
     async def create(
@@ -203,9 +296,23 @@ class Manager:
         name = backend or self.default_backend
         impl = self._backend(name)
         self._check_capabilities(impl, spec)
+        sandbox_id = new_id("sb")
+        target = Resource.for_spec(sandbox_id, spec, backend=name, tenant=actor.tenant)
+        async with self._gated(actor, "sandbox.create", target, spec=spec):
+            return await self._create(sandbox_id, name, impl, spec, actor, on_setup_output)
+
+    async def _create(
+        self,
+        sandbox_id: str,
+        name: str,
+        impl: Backend,
+        spec: SandboxSpec,
+        actor: Actor,
+        on_setup_output: OutputCallback | None,
+    ) -> SandboxInfo:
         now = utcnow()
         sb = SandboxInfo(
-            id=new_id("sb"),
+            id=sandbox_id,
             backend=name,
             status=S.PROVISIONING,
             spec=spec,
@@ -240,16 +347,16 @@ class Manager:
             await channel.mkdir(spec.workdir)
             if spec.git is not None:
                 # The caller's spec, not the stored one: the credential is never stored.
-                await self._clone(sb, spec.git, channel, setup_output, tail)
+                await self._clone(sb, spec.git, actor, channel, setup_output, tail)
             for i, step in enumerate(spec.setup_steps()):
-                result = await self._run(sb, channel, step, setup_output)
+                result = await self._run(sb, actor, channel, step, setup_output)
                 if result.exit_code != 0:
                     msg = f"setup step {i + 1} exited with {result.exit_code}"
                     await self._fail(sb, "setup_failed", msg, tail.lines())
                     raise ExecFailed(msg, result)
             sb = await self._cas(sb, status=S.STARTING, setup_done=True)
             if spec.start is not None:
-                await self._launch_main(sb, channel, spec.start)
+                await self._launch_main(sb, actor, channel, spec.start)
             sb = await self._cas(
                 sb, status=S.RUNNING, transition_owner=None, transition_deadline=None
             )
@@ -292,6 +399,7 @@ class Manager:
         self,
         sb: SandboxInfo,
         git: GitSource,
+        actor: Actor,
         channel: Channel,
         on_output: OutputCallback,
         tail: _Tail,
@@ -314,7 +422,12 @@ class Manager:
                 ["git", "-C", workdir, "checkout", "-q", "FETCH_HEAD"],
             ]
         for argv in steps:
-            result = await channel.exec(argv, cwd="/", env=self._env(sb, env), on_output=on_output)
+            # The gate sees the command without the credential (it is in env, not decided on).
+            async with self._gated(actor, "exec", sb, command=argv, cwd="/") as outcome:
+                result = await channel.exec(
+                    argv, cwd="/", env=self._env(sb, env), on_output=on_output
+                )
+                outcome.exit_code = result.exit_code
             if result.exit_code != 0:
                 msg = (
                     f"git {argv[1] if argv[1] != '-C' else argv[3]} exited with {result.exit_code}"
@@ -322,15 +435,15 @@ class Manager:
                 await self._fail(sb, "git_failed", msg, tail.lines())
                 raise ExecFailed(msg, result)
 
-    async def _launch_main(self, sb: SandboxInfo, channel: Channel, command: Command) -> None:
+    async def _launch_main(
+        self, sb: SandboxInfo, actor: Actor, channel: Channel, command: Command
+    ) -> None:
         argv, cwd, env = command_argv(command)
-        await channel.start_process(
-            argv,
-            cwd=cwd or sb.spec.workdir,
-            env=self._env(sb, env),
-            name="main",
-            log_path=MAIN_LOG,
-        )
+        workdir = cwd or sb.spec.workdir
+        async with self._gated(actor, "process.start", sb, command=argv, cwd=workdir, env=env):
+            await channel.start_process(
+                argv, cwd=workdir, env=self._env(sb, env), name="main", log_path=MAIN_LOG
+            )
 
     # -- commands and files -----------------------------------------------------------------
 
@@ -358,20 +471,37 @@ class Manager:
         if cwd is not None and not cwd.startswith("/"):
             msg = f"cwd must be an absolute path, got {cwd!r}"
             raise InvalidRequest(msg)
-        sb = await self._ready(sandbox_id, actor, auto_resume)
         argv, spec_cwd, spec_env = command_argv(command)
-        channel = await self._channel(sb)
-        result = await self._channel_call(
+        sb = await self.get(sandbox_id, actor=actor)
+        workdir = cwd or spec_cwd or sb.spec.workdir
+        extra_env = spec_env | dict(env or {})
+        async with self._gated(
+            actor,
+            "exec",
             sb,
-            channel.exec(
-                argv,
-                cwd=cwd or spec_cwd or sb.spec.workdir,
-                env=self._env(sb, spec_env | dict(env or {})),
-                timeout=timeout,
-                stdin=stdin,
-                on_output=on_output,
-            ),
-        )
+            command=command if isinstance(command, str) else argv,
+            cwd=workdir,
+            env=extra_env,
+        ) as outcome:
+            sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+            channel = await self._channel(sb)
+            result = await self._channel_call(
+                sb,
+                channel.exec(
+                    argv,
+                    cwd=workdir,
+                    env=self._env(sb, extra_env),
+                    timeout=timeout,
+                    stdin=stdin,
+                    on_output=on_output,
+                ),
+            )
+            outcome.output = (result.stdout + result.stderr).encode()
+            outcome.exit_code = result.exit_code
+            outcome.detail = {
+                "duration_ms": round(result.duration_ms, 3),
+                "timed_out": result.timed_out,
+            }
         await self.store.touch(sb.id, utcnow())
         if check and result.exit_code != 0:
             msg = f"command exited with {result.exit_code}: {' '.join(argv)[:200]}"
@@ -396,10 +526,17 @@ class Manager:
     ) -> AsyncIterator[bytes]:
         """A file's bytes in chunks."""
         _check_path(path)
-        sb = await self._ready(sandbox_id, actor, auto_resume)
-        channel = await self._channel(sb)
-        async for chunk in channel.read_file(path):
-            yield chunk
+        sb = await self.get(sandbox_id, actor=actor)
+        async with self._gated(actor, "fs.read", sb, path=path) as outcome:
+            sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+            channel = await self._channel(sb)
+            digest = hashlib.sha256()
+            size = 0
+            async for chunk in channel.read_file(path):
+                digest.update(chunk)
+                size += len(chunk)
+                yield chunk
+            outcome.detail = {"sha256": digest.hexdigest(), "size": size}
         await self.store.touch(sb.id, utcnow())
 
     async def write_files(
@@ -414,12 +551,17 @@ class Manager:
         """Create or replace files (parents are made); strings are written as UTF-8."""
         for path in files:
             _check_path(path)
-        sb = await self._ready(sandbox_id, actor, auto_resume)
-        channel = await self._channel(sb)
+        sb = await self.get(sandbox_id, actor=actor)
         infos = []
         for path, data in files.items():
             body = data.encode() if isinstance(data, str) else data
-            infos.append(await self._channel_call(sb, channel.write_file(path, body, mode=mode)))
+            async with self._gated(actor, "fs.write", sb, path=path) as outcome:
+                sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+                channel = await self._channel(sb)
+                infos.append(
+                    await self._channel_call(sb, channel.write_file(path, body, mode=mode))
+                )
+                outcome.output = body
         await self.store.touch(sb.id, utcnow())
         return infos
 
@@ -428,9 +570,13 @@ class Manager:
     ) -> builtins.list[FileInfo]:
         """A directory's entries."""
         _check_path(path)
-        sb = await self._ready(sandbox_id, actor, auto_resume)
-        channel = await self._channel(sb)
-        return await self._channel_call(sb, channel.list_files(path))
+        sb = await self.get(sandbox_id, actor=actor)
+        async with self._gated(actor, "fs.list", sb, path=path) as outcome:
+            sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+            channel = await self._channel(sb)
+            entries = await self._channel_call(sb, channel.list_files(path))
+            outcome.detail = {"entries": len(entries)}
+            return entries
 
     async def remove_file(
         self,
@@ -443,9 +589,11 @@ class Manager:
     ) -> None:
         """Remove a file (or a tree with ``recursive``)."""
         _check_path(path)
-        sb = await self._ready(sandbox_id, actor, auto_resume)
-        channel = await self._channel(sb)
-        await self._channel_call(sb, channel.remove(path, recursive=recursive))
+        sb = await self.get(sandbox_id, actor=actor)
+        async with self._gated(actor, "fs.remove", sb, path=path, recursive=recursive):
+            sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+            channel = await self._channel(sb)
+            await self._channel_call(sb, channel.remove(path, recursive=recursive))
 
     async def logs(
         self,
@@ -457,21 +605,23 @@ class Manager:
         auto_resume: bool = True,
     ) -> AsyncIterator[bytes]:
         """The main process's output log, from byte ``offset``; ``follow`` keeps tailing."""
-        sb = await self._ready(sandbox_id, actor, auto_resume)
-        channel = await self._channel(sb)
-        try:
-            async for chunk in channel.follow_file(MAIN_LOG, offset=offset, follow=follow):
-                yield chunk
-        except NotFound:
-            return
+        sb = await self.get(sandbox_id, actor=actor)
+        async with self._gated(actor, "fs.read", sb, path=MAIN_LOG):
+            sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+            channel = await self._channel(sb)
+            try:
+                async for chunk in channel.follow_file(MAIN_LOG, offset=offset, follow=follow):
+                    yield chunk
+            except NotFound:
+                return
 
     # -- lifecycle --------------------------------------------------------------------------
 
     async def stop(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
         """End every process in the sandbox and keep its filesystem."""
-        return await self._stop(
-            await self.get(sandbox_id, actor=actor), "stopped", "stopped by request"
-        )
+        sb = await self.get(sandbox_id, actor=actor)
+        async with self._gated(actor, "stop", sb):
+            return await self._stop(sb, "stopped", "stopped by request")
 
     async def _stop(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
         sb = await self._settled(sb)
@@ -502,19 +652,21 @@ class Manager:
     async def resume(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
         """Boot a stopped sandbox and relaunch its ``resume`` command; retry a failed one
         (without running setup again)."""
-        sb = await self._settled(await self.get(sandbox_id, actor=actor))
-        if sb.status is S.RUNNING:
-            return sb
-        if sb.status not in (S.STOPPED, S.FAILED):
-            msg = f"sandbox {sb.id} is {sb.status} and cannot be resumed"
-            raise InvalidState(msg, id=sb.id)
-        try:
-            sb = await self._begin(sb, {S.STOPPED, S.FAILED}, S.RESUMING)
-        except Conflict:
-            return await self._ready(sb.id, actor, auto_resume=False)
-        return await self._do_resume(sb)
+        sb = await self.get(sandbox_id, actor=actor)
+        async with self._gated(actor, "resume", sb):
+            sb = await self._settled(sb)
+            if sb.status is S.RUNNING:
+                return sb
+            if sb.status not in (S.STOPPED, S.FAILED):
+                msg = f"sandbox {sb.id} is {sb.status} and cannot be resumed"
+                raise InvalidState(msg, id=sb.id)
+            try:
+                sb = await self._begin(sb, {S.STOPPED, S.FAILED}, S.RESUMING)
+            except Conflict:
+                return await self._ready(sb.id, actor, auto_resume=False)
+            return await self._do_resume(sb, actor)
 
-    async def _do_resume(self, sb: SandboxInfo) -> SandboxInfo:
+    async def _do_resume(self, sb: SandboxInfo, actor: Actor) -> SandboxInfo:
         impl = self._backend(sb.backend)
         await self._drop_channel(sb.id)
         try:
@@ -535,7 +687,7 @@ class Manager:
             channel = await self._channel(sb)
             command = sb.spec.resume_command()
             if command is not None:
-                await self._launch_main(sb, channel, command)
+                await self._launch_main(sb, actor, channel, command)
         except InvalidState:
             raise
         except SandboxError as e:
@@ -554,7 +706,8 @@ class Manager:
         """Remove the sandbox from its backend. The record stays (hidden from ``list``) with a
         death certificate; destroying twice is fine."""
         sb = await self.get(sandbox_id, actor=actor)
-        return await self._destroy(sb, "destroyed", "destroyed by request")
+        async with self._gated(actor, "destroy", sb):
+            return await self._destroy(sb, "destroyed", "destroyed by request")
 
     async def _destroy(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
         while True:
@@ -601,6 +754,10 @@ class Manager:
         if seconds <= 0:
             msg = f"keep_alive needs a positive number of seconds, got {seconds}"
             raise InvalidRequest(msg)
+        async with self._gated(actor, "keep_alive", await self.get(sandbox_id, actor=actor)):
+            return await self._keep_alive(sandbox_id, seconds, actor)
+
+    async def _keep_alive(self, sandbox_id: str, seconds: float, actor: Actor) -> SandboxInfo:
         for _ in range(50):
             sb = await self.get(sandbox_id, actor=actor)
             if sb.status is S.DESTROYED:
@@ -626,14 +783,17 @@ class Manager:
         self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR, auto_resume: bool = True
     ) -> SnapshotInfo:
         """Save the sandbox's state; new sandboxes can be made from it."""
-        sb = await self._ready(sandbox_id, actor, auto_resume)
+        sb = await self.get(sandbox_id, actor=actor)
         impl = self._backend(sb.backend)
         if not impl.capabilities().snapshot:
             msg = f"backend {sb.backend!r} cannot snapshot"
             raise NotSupported(msg)
-        assert sb.backend_ref is not None
         snapshot_id = new_id("snap")
-        ref = await impl.snapshot(sb.backend_ref, snapshot_id)
+        async with self._gated(actor, "snapshot", sb, snapshot_id=snapshot_id) as outcome:
+            sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+            assert sb.backend_ref is not None
+            ref = await impl.snapshot(sb.backend_ref, snapshot_id)
+            outcome.detail = {"size_bytes": ref.size_bytes}
         info = SnapshotInfo(
             id=snapshot_id,
             sandbox_id=sb.id,
@@ -658,14 +818,31 @@ class Manager:
         snap = await self.store.get_snapshot(
             snapshot_id, tenant=None if actor.admin else actor.tenant
         )
-        await self._backend(snap.backend).delete_snapshot(_snapshot_ref(snap))
-        await self.store.delete_snapshot(snap.id)
+        target = await self._snapshot_resource(snap, actor)
+        async with self._gated(actor, "snapshot.delete", target, snapshot_id=snap.id):
+            await self._backend(snap.backend).delete_snapshot(_snapshot_ref(snap))
+            await self.store.delete_snapshot(snap.id)
+
+    async def _snapshot_resource(self, snap: SnapshotInfo, actor: Actor) -> Resource:
+        """What a snapshot operation targets: the sandbox it was taken from (which may be gone)."""
+        try:
+            return Resource.of(await self.store.get(snap.sandbox_id))
+        except NotFound:
+            spec = snap.spec or SandboxSpec()
+            return Resource.for_spec(
+                snap.sandbox_id, spec, backend=snap.backend, tenant=actor.tenant
+            )
 
     async def restore(
         self, sandbox_id: str, snapshot_id: str, *, actor: Actor = LOCAL_ACTOR
     ) -> SandboxInfo:
         """Put a sandbox back to a snapshot's state (its main process is relaunched)."""
-        sb = await self._settled(await self.get(sandbox_id, actor=actor))
+        sb = await self.get(sandbox_id, actor=actor)
+        async with self._gated(actor, "restore", sb, snapshot_id=snapshot_id):
+            return await self._restore(sb, snapshot_id, actor)
+
+    async def _restore(self, sb: SandboxInfo, snapshot_id: str, actor: Actor) -> SandboxInfo:
+        sb = await self._settled(sb)
         snap = await self.store.get_snapshot(
             snapshot_id, tenant=None if actor.admin else actor.tenant
         )
@@ -683,7 +860,7 @@ class Manager:
             await impl.restore(sb.backend_ref, _snapshot_ref(snap), sb.spec)
             command = sb.spec.resume_command()
             if command is not None:
-                await self._launch_main(sb, await self._channel(sb), command)
+                await self._launch_main(sb, actor, await self._channel(sb), command)
         except SandboxError as e:
             await self._fail(sb, "backend_error", f"restore failed: {e}")
             raise
@@ -708,11 +885,29 @@ class Manager:
         if source.startswith("snap-"):
             snap = await self.store.get_snapshot(source, tenant=tenant)
         else:
+            impl = self._backend((await self.get(source, actor=actor)).backend)
+            if not impl.capabilities().fork:
+                msg = f"backend {impl.name!r} cannot fork"
+                raise NotSupported(msg)
             snap = await self.snapshot(source, actor=actor)
         impl = self._backend(snap.backend)
         if not impl.capabilities().fork:
             msg = f"backend {snap.backend!r} cannot fork"
             raise NotSupported(msg)
+        target = await self._snapshot_resource(snap, actor)
+        async with self._gated(actor, "fork", target, snapshot_id=snap.id, count=count) as outcome:
+            forked = await self._fork(snap, impl, count, actor, labels)
+            outcome.detail = {"sandboxes": [f.id for f in forked]}
+            return forked
+
+    async def _fork(
+        self,
+        snap: SnapshotInfo,
+        impl: Backend,
+        count: int,
+        actor: Actor,
+        labels: Mapping[str, str] | None,
+    ) -> builtins.list[SandboxInfo]:
         spec = (snap.spec or SandboxSpec()).model_copy(
             update={"labels": {**(snap.spec.labels if snap.spec else {}), **dict(labels or {})}}
         )
@@ -748,7 +943,7 @@ class Manager:
             r = await self._cas(r, status=S.STARTING, backend_ref=ref)
             command = spec.resume_command()
             if command is not None:
-                await self._launch_main(r, await self._channel(r), command)
+                await self._launch_main(r, actor, await self._channel(r), command)
             out.append(
                 await self._cas(
                     r, status=S.RUNNING, transition_owner=None, transition_deadline=None
@@ -765,9 +960,11 @@ class Manager:
         if not 1 <= port <= 65535:
             msg = f"port {port} is outside 1..65535"
             raise InvalidRequest(msg)
-        sb = await self._ready(sandbox_id, actor, True)
-        sb = await self._expose(sb, port)
-        return next(p for p in sb.ports if p.port == port)
+        sb = await self.get(sandbox_id, actor=actor)
+        async with self._gated(actor, "port.expose", sb, port=port):
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            sb = await self._expose(sb, port)
+            return next(p for p in sb.ports if p.port == port)
 
     async def _expose(self, sb: SandboxInfo, port: int) -> SandboxInfo:
         impl = self._backend(sb.backend)
@@ -810,7 +1007,8 @@ class Manager:
             if cause is None:
                 continue
             with contextlib.suppress(Conflict, InvalidState):
-                await self._stop(sb, cause, message)
+                async with self._gated(SYSTEM, "stop", sb, reason=cause):
+                    await self._stop(sb, cause, message)
                 stopped.append(sb.id)
         return stopped
 
@@ -872,7 +1070,9 @@ class Manager:
             try:
                 await self.store.get(sandbox_id)
             except NotFound:
-                await impl.destroy(ref)
+                orphan = Resource(sandbox_id=sandbox_id, backend=name)
+                async with self._gated(SYSTEM, "destroy", orphan, reason="orphan"):
+                    await impl.destroy(ref)
                 report.reaped.append(sandbox_id)
 
     def _abandoned(self, sb: SandboxInfo) -> bool:
@@ -928,12 +1128,23 @@ class Manager:
         return {**sb.spec.env, **extra}
 
     async def _run(
-        self, sb: SandboxInfo, channel: Channel, command: Command, on_output: OutputCallback
+        self,
+        sb: SandboxInfo,
+        actor: Actor,
+        channel: Channel,
+        command: Command,
+        on_output: OutputCallback,
     ) -> ExecResult:
         argv, cwd, env = command_argv(command)
-        return await channel.exec(
-            argv, cwd=cwd or sb.spec.workdir, env=self._env(sb, env), on_output=on_output
-        )
+        workdir = cwd or sb.spec.workdir
+        shown = command if isinstance(command, str) else argv
+        async with self._gated(actor, "exec", sb, command=shown, cwd=workdir, env=env) as outcome:
+            result = await channel.exec(
+                argv, cwd=workdir, env=self._env(sb, env), on_output=on_output
+            )
+            outcome.output = (result.stdout + result.stderr).encode()
+            outcome.exit_code = result.exit_code
+            return result
 
     async def _cas(self, sb: SandboxInfo, **patch: object) -> SandboxInfo:
         return await self.store.update(sb.id, sb.version, patch)
@@ -993,10 +1204,17 @@ class Manager:
         msg = f"sandbox {sb.id} stayed {sb.status} for {self.transition_timeout:g}s"
         raise SandboxTimeout(msg, id=sb.id)
 
-    async def _ready(self, sandbox_id: str, actor: Actor, auto_resume: bool) -> SandboxInfo:
+    async def _ready(
+        self,
+        sandbox_id: str,
+        actor: Actor,
+        auto_resume: bool,
+        current: SandboxInfo | None = None,
+    ) -> SandboxInfo:
         """The sandbox, running: wait out transitions, resume it if stopped (exactly one
-        concurrent caller wins the resume; the rest wait for it)."""
-        sb = await self.get(sandbox_id, actor=actor)
+        concurrent caller wins the resume; the rest wait for it). ``current`` is a record the
+        caller just read, saving a second read on the hot path."""
+        sb = current if current is not None else await self.get(sandbox_id, actor=actor)
         for _ in range(100):
             sb = await self._settled(sb)
             if sb.status is S.RUNNING:
@@ -1010,7 +1228,7 @@ class Manager:
                 except Conflict:
                     sb = await self.store.get(sb.id)
                     continue
-                return await self._do_resume(sb)
+                return await self._do_resume(sb, actor)
             reason = f": {sb.death.cause} ({sb.death.message})" if sb.death else ""
             msg = f"sandbox {sb.id} is {sb.status}{reason}"
             raise InvalidState(msg, id=sb.id, status=sb.status.value)

@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import builtins
 import codecs
+import logging
+import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self, final
 
+import anyio.to_thread
+
 from sandlot.backends.registry import Backends, default_backend_name
 from sandlot.config import default_database_url
 from sandlot.config import home as resolve_home
-from sandlot.errors import InvalidRequest
+from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
+from sandlot.gate.gate import Approval, Gate
 from sandlot.manager import Manager, ReconcileReport
 from sandlot.models import (
     LOCAL_ACTOR,
@@ -39,6 +44,8 @@ from sandlot.models import (
     SnapshotInfo,
     parse_model,
 )
+from sandlot.policy import Explanation, PolicyConfig, load_engine
+from sandlot.receipts import KeyStore, Receipt, ReceiptLog
 from sandlot.store.sql import SqlStore
 
 if TYPE_CHECKING:
@@ -55,6 +62,24 @@ def database_url(database: str | None, home_dir: Path) -> str:
     if "://" in database:
         return database
     return f"sqlite:///{Path(database).expanduser().absolute()}"
+
+
+def policy_config(
+    policy: str | Path | Sequence[str | Path] | PolicyConfig | None,
+) -> PolicyConfig:
+    """The gate's policy configuration from what a caller passed (or the environment)."""
+    if isinstance(policy, PolicyConfig):
+        return policy
+    if policy is None:
+        raw = os.environ.get("SANDLOT_POLICY")
+        if not raw:
+            return PolicyConfig()
+        paths: list[str | Path] = list(raw.split(":"))
+    elif isinstance(policy, (str, Path)):
+        paths = [policy]
+    else:
+        paths = list(policy)
+    return PolicyConfig(policy_paths=tuple(str(p) for p in paths))
 
 
 def build_spec(
@@ -270,6 +295,13 @@ class AsyncSandbox:
         """Published ports."""
         return await self._manager.list_ports(self.id, actor=self._actor)
 
+    async def explain(self, action: str, **args: object) -> Explanation:
+        """What the policy would decide about an operation here, and why (nothing runs).
+
+        ``sb.explain("exec", command="rm -rf /")``, ``sb.explain("fs.write", path="/etc/x")``.
+        """
+        return await self._manager.explain(action, self.id, actor=self._actor, **args)
+
 
 @final
 class AsyncSandlot:
@@ -282,6 +314,12 @@ class AsyncSandlot:
         backends: Backend objects to use instead of the built-in ones, by name (tests pass a
             ``FakeBackend`` here).
         actor: Who the calls act as (tenant and principal).
+        policy: The policy the gate decides with: Cedar policy files (a path or a list), a
+            :class:`~sandlot.policy.PolicyConfig`, or None for ``$SANDLOT_POLICY`` (a file or
+            ``:``-separated files) or else the shipped default policy.
+        hold_timeout: Seconds a HOLD decision waits for an approval before it is a denial.
+        on_deny: Called with each ``PolicyDenied`` before it is raised.
+        on_receipt: Called with each signed receipt after it is written.
     """
 
     def __init__(
@@ -292,6 +330,10 @@ class AsyncSandlot:
         *,
         backends: Mapping[str, Backend] | None = None,
         actor: Actor = LOCAL_ACTOR,
+        policy: str | Path | Sequence[str | Path] | PolicyConfig | None = None,
+        hold_timeout: float = 300.0,
+        on_deny: Callable[[PolicyDenied], object] | None = None,
+        on_receipt: Callable[[Receipt], None] | None = None,
     ) -> None:
         home_dir = resolve_home(home)
         if backend is None and backends is not None and len(backends) == 1:
@@ -301,10 +343,21 @@ class AsyncSandlot:
             backend = default_backend_name(backend)
         self.home = home_dir
         self.actor = actor
+        store = SqlStore(database_url(database, home_dir))
+        store.ensure_schema()
+        self.receipts = ReceiptLog(store.engine, KeyStore.default(home_dir).active())
+        """The signed receipt log (in the same database as the records)."""
+        if on_receipt is not None:
+            self.receipts.on_receipt(on_receipt)
+        gate = Gate(
+            load_engine(policy_config(policy)),
+            self.receipts,
+            store.engine,
+            hold_timeout=hold_timeout,
+            on_deny=on_deny,
+        )
         self.manager = Manager(
-            SqlStore(database_url(database, home_dir)),
-            Backends(home_dir, extra=backends),
-            default_backend=backend,
+            store, Backends(home_dir, extra=backends), default_backend=backend, gate=gate
         )
 
     async def __aenter__(self) -> Self:
@@ -319,8 +372,19 @@ class AsyncSandlot:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close connections (sandboxes keep running)."""
+        """Close connections (sandboxes keep running); sign a checkpoint of new receipts."""
+        await anyio.to_thread.run_sync(self._final_checkpoint)
         await self.manager.aclose()
+        self.receipts.close()
+
+    def _final_checkpoint(self) -> None:
+        # checkpoint() returns the last one unchanged when nothing was appended since. A
+        # failure here must not stop the rest of the shutdown; the next start checkpoints.
+        try:
+            if self.receipts.size():
+                self.receipts.checkpoint()
+        except SandboxError as e:
+            logging.getLogger("sandlot").warning("could not sign a closing checkpoint: %s", e)
 
     async def create(
         self,
@@ -384,6 +448,18 @@ class AsyncSandlot:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove a snapshot."""
         await self.manager.delete_snapshot(snapshot_id, actor=self.actor)
+
+    async def list_approvals(self, status: str | None = "pending") -> builtins.list[Approval]:
+        """Operations held for approval (``status=None`` for all), newest first."""
+        return await self.manager.list_approvals(actor=self.actor, status=status)
+
+    async def approve(self, approval_id: str) -> Approval:
+        """Let a held operation run."""
+        return await self.manager.approve(approval_id, actor=self.actor)
+
+    async def deny(self, approval_id: str) -> Approval:
+        """Refuse a held operation."""
+        return await self.manager.deny(approval_id, actor=self.actor)
 
     async def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
         """Sync records with the backends and reap orphans."""

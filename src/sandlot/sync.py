@@ -17,8 +17,9 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Self, TypeVar, final
+from typing import TYPE_CHECKING, Any, Self, TypeVar, final
 
+from sandlot.gate.gate import Approval
 from sandlot.manager import ReconcileReport
 from sandlot.models import (
     LOCAL_ACTOR,
@@ -33,11 +34,16 @@ from sandlot.models import (
     SandboxStatus,
     SnapshotInfo,
 )
+from sandlot.policy import Explanation
+from sandlot.receipts import ReceiptLog
 from sandlot.sdk import AsyncSandbox, AsyncSandlot
 
 if TYPE_CHECKING:
     from sandlot.backends.base import Backend
     from sandlot.channel.base import OutputCallback, Stdin
+    from sandlot.errors import PolicyDenied
+    from sandlot.policy import PolicyConfig
+    from sandlot.receipts import Receipt
 
 __all__ = ["Sandbox", "Sandlot"]
 
@@ -225,10 +231,19 @@ class Sandbox:
         """Published ports."""
         return self._loop.run(self._async.list_ports())
 
+    def explain(self, action: str, **args: object) -> Explanation:
+        """What the policy would decide about an operation here, and why (nothing runs)."""
+        return self._loop.run(self._async.explain(action, **args))
+
 
 @final
 class Sandlot:
     """The sync SDK on an embedded Manager; arguments as for :class:`AsyncSandlot`."""
+
+    @property
+    def receipts(self) -> ReceiptLog:
+        """The signed receipt log."""
+        return self._async.receipts
 
     def __init__(
         self,
@@ -238,10 +253,22 @@ class Sandlot:
         *,
         backends: Mapping[str, Backend] | None = None,
         actor: Actor = LOCAL_ACTOR,
+        policy: str | Path | Sequence[str | Path] | PolicyConfig | None = None,
+        hold_timeout: float = 300.0,
+        on_deny: Callable[[PolicyDenied], object] | None = None,
+        on_receipt: Callable[[Receipt], None] | None = None,
     ) -> None:
         self._loop = _Loop()
+        options = {
+            "backends": backends,
+            "actor": actor,
+            "policy": policy,
+            "hold_timeout": hold_timeout,
+            "on_deny": on_deny,
+            "on_receipt": on_receipt,
+        }
         try:
-            self._async = self._loop.run(_build(home, backend, database, backends, actor))
+            self._async = self._loop.run(_build(home, backend, database, options))
         except BaseException:
             self._loop.close()
             raise
@@ -323,6 +350,18 @@ class Sandlot:
         """Remove a snapshot."""
         self._loop.run(self._async.delete_snapshot(snapshot_id))
 
+    def list_approvals(self, status: str | None = "pending") -> builtins.list[Approval]:
+        """Operations held for approval, newest first."""
+        return self._loop.run(self._async.list_approvals(status))
+
+    def approve(self, approval_id: str) -> Approval:
+        """Let a held operation run."""
+        return self._loop.run(self._async.approve(approval_id))
+
+    def deny(self, approval_id: str) -> Approval:
+        """Refuse a held operation."""
+        return self._loop.run(self._async.deny(approval_id))
+
     def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
         """Sync records with the backends and reap orphans."""
         return self._loop.run(self._async.reconcile(ids))
@@ -333,11 +372,7 @@ class Sandlot:
 
 
 async def _build(
-    home: str | Path | None,
-    backend: str | None,
-    database: str | None,
-    backends: Mapping[str, Backend] | None,
-    actor: Actor,
+    home: str | Path | None, backend: str | None, database: str | None, options: dict[str, Any]
 ) -> AsyncSandlot:
     # Built on the loop thread, so everything the async client creates belongs to that loop.
-    return AsyncSandlot(home, backend, database, backends=backends, actor=actor)
+    return AsyncSandlot(home, backend, database, **options)

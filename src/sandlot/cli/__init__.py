@@ -1,5 +1,10 @@
-"""The ``sandlot`` command line; ``main`` is the console script."""
+"""The ``sandlot`` command line; ``main`` is the console script.
 
+The command groups register themselves on ``app`` when imported, here, so that ``app`` is
+complete whichever way the CLI is entered.
+"""
+
+from sandlot.cli import governance
 from sandlot.cli.app import app, main
 
-__all__ = ["app", "main"]
+__all__ = ["app", "governance", "main"]

@@ -55,7 +55,7 @@ from sandlot.cli.spec import (
     parse_pairs,
     spec_from_options,
 )
-from sandlot.errors import InvalidRequest, SandboxError
+from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
 from sandlot.models import OutputChunk, SandboxInfo, SandboxStatus
 from sandlot.sdk import AsyncSandlot
 
@@ -146,6 +146,12 @@ def _global(
 def _fail(error: SandboxError, as_json: bool) -> NoReturn:
     if as_json:
         print(json.dumps({"error": error.to_dict()}))
+    elif isinstance(error, PolicyDenied):
+        err.print(
+            f"[red]denied:[/red] {error.message} "
+            f"[dim]({error.reason_code}; receipt {error.receipt_id})[/dim]",
+            markup=True,
+        )
     else:
         err.print(f"[red]error:[/red] {error.message}", markup=True)
     raise typer.Exit(1)
@@ -818,3 +824,4 @@ def main() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         raise SystemExit(0) from None
+

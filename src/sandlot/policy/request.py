@@ -103,6 +103,19 @@ ACTIONS: Mapping[str, ActionInfo] = MappingProxyType(
             _a("stop", ContextKind.NONE, ("lifecycle",), "stop the sandbox, keeping its files"),
             _a("resume", ContextKind.NONE, ("lifecycle",), "start a stopped sandbox again"),
             _a("destroy", ContextKind.NONE, ("lifecycle",), "destroy the sandbox and its files"),
+            _a("keep_alive", ContextKind.NONE, ("lifecycle",), "extend the sandbox's time to live"),
+            _a(
+                "snapshot.delete",
+                ContextKind.SNAPSHOT,
+                ("lifecycle",),
+                "delete a snapshot of the sandbox",
+            ),
+            _a(
+                "reset",
+                ContextKind.SNAPSHOT,
+                ("lifecycle",),
+                "return the sandbox to a snapshot and verify it",
+            ),
         )
     }
 )

@@ -115,6 +115,10 @@ class SqlStore:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    def ensure_schema(self) -> None:
+        """Migrate the database now if it is not current (otherwise done at first use)."""
+        self._ensure_schema()
+
     def _ensure_schema(self) -> None:
         if self._migrated:
             return

@@ -1,0 +1,387 @@
+"""The policy gate: every operation is decided, and the decision is on record, before it runs.
+
+    normalize(request) -> decide -> decision receipt -> (only on ALLOW) execute -> execution receipt
+
+The Manager calls :meth:`Gate.authorize` first and :meth:`Gate.complete` after. ``authorize``
+returns only when an ALLOW is durably recorded; if the decision receipt cannot be written it
+raises, so nothing executes. A DENY raises ``PolicyDenied`` carrying the reason code and the
+receipt id. A HOLD writes a pending approval and waits (bounded) for ``approve``/``deny`` from
+any process; the answer is itself a receipt, and the receipts table's uniqueness on what a
+receipt consumes makes sure a HOLD is answered once and an ALLOW executed once.
+
+This module composes :mod:`sandlot.policy` and :mod:`sandlot.receipts`; it must not import
+backends or front ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar, final
+
+import anyio
+import anyio.to_thread
+from sqlalchemy import Connection, Engine, and_, insert, select, update
+
+from sandlot.errors import Conflict, InvalidRequest, NotFound, PolicyDenied
+from sandlot.gate.schema import approvals
+from sandlot.models import Actor, JsonValue, new_id
+from sandlot.policy import (
+    Decision,
+    Explanation,
+    Outcome,
+    PolicyEngine,
+    PolicyRequest,
+    Principal,
+    Resource,
+    normalize_operation,
+)
+from sandlot.receipts import Decision as ReceiptDecision
+from sandlot.receipts import PolicyRef, Receipt, ReceiptLog, canonical_json, sha256_ref
+from sandlot.receipts.receipt import Entry, approval_entry, decision_entry, execution_entry
+from sandlot.receipts.schema import receipts as receipts_table
+
+__all__ = ["SYSTEM", "Approval", "Authorization", "Gate"]
+
+T = TypeVar("T")
+
+SYSTEM = Actor(tenant="default", principal="system", admin=True)
+"""The actor of the Manager's own housekeeping (TTL stops, reaping orphans)."""
+
+
+@dataclass(frozen=True)
+class Authorization:
+    """Proof that an operation may run: the ALLOW receipt it will consume."""
+
+    receipt: Receipt
+    """The ALLOW decision (or the ALLOW answer to a HOLD)."""
+    request: PolicyRequest
+    """What was decided."""
+    decision: Decision
+    """The engine's verdict."""
+
+
+@dataclass(frozen=True)
+class Approval:
+    """A HOLD decision and its answer."""
+
+    id: str
+    tenant: str
+    principal: str
+    sandbox_id: str | None
+    action: str
+    summary: str
+    question: str
+    status: str
+    """``pending``, ``approved``, ``denied`` or ``expired``."""
+    hold_seq: int
+    created_at: float
+    expires_at: float
+    decided_by: str | None = None
+    decided_at: float | None = None
+
+    def to_dict(self) -> dict[str, JsonValue]:
+        """As JSON data."""
+        return dict(self.__dict__.items())
+
+
+def _summary(request: PolicyRequest) -> str:
+    ctx = request.context
+    for key in ("raw", "path", "port", "snapshot_id"):
+        value = ctx.get(key)
+        if value not in (None, ""):
+            return f"{request.action} {value}"
+    return request.action
+
+
+@final
+class Gate:
+    """Decides, records and (for HOLD) waits, for every operation the Manager runs.
+
+    Args:
+        engine: The policy engine.
+        log: The receipt log (its database also holds the approvals).
+        db: The SQLAlchemy engine of that database.
+        hold_timeout: Seconds a HOLD waits for an answer before it becomes a DENY.
+        on_deny: Called with each ``PolicyDenied`` before it is raised.
+    """
+
+    def __init__(
+        self,
+        engine: PolicyEngine,
+        log: ReceiptLog,
+        db: Engine,
+        *,
+        hold_timeout: float = 300.0,
+        on_deny: Callable[[PolicyDenied], object] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.log = log
+        self.db = db
+        self.hold_timeout = hold_timeout
+        self.on_deny = on_deny
+        self._policy_ref_cache: tuple[str, PolicyRef] | None = None
+
+    def request(
+        self, actor: Actor, action: str, resource: Resource, args: Mapping[str, object]
+    ) -> PolicyRequest:
+        """The normalized request for an operation."""
+        return normalize_operation(
+            action, principal=Principal.of(actor), resource=resource, args=args
+        )
+
+    async def explain(
+        self, actor: Actor, action: str, resource: Resource, args: Mapping[str, object]
+    ) -> Explanation:
+        """What the policy would decide and why, without recording or running anything."""
+        return await self.engine.explain(self.request(actor, action, resource, args))
+
+    async def authorize(
+        self,
+        actor: Actor,
+        action: str,
+        resource: Resource,
+        args: Mapping[str, object],
+        *,
+        idempotency_key: str | None = None,
+    ) -> Authorization:
+        """Decide and record; return only for an ALLOW (after an approval, for a HOLD).
+
+        Raises:
+            PolicyDenied: DENY, a denied HOLD or a HOLD that timed out.
+            SandboxError: The decision could not be recorded (nothing may run).
+        """
+        request = self.request(actor, action, resource, args)
+        decision = await self.engine.decide(request)
+        request_hash = sha256_ref(canonical_json(request.canonical()))
+        entry = decision_entry(
+            op=action,
+            request_hash=request_hash,
+            decision=ReceiptDecision(decision.outcome.value),
+            reason_code=decision.reason_code.value,
+            policy=self._policy_ref(decision),
+            tenant=actor.tenant,
+            principal=actor.principal,
+            sandbox_id=resource.sandbox_id,
+            idempotency_key=idempotency_key,
+            detail={"summary": _summary(request)[:500]},
+        )
+        receipt = await anyio.to_thread.run_sync(self.log.append, entry)
+        if decision.outcome is Outcome.ALLOW:
+            return Authorization(receipt, request, decision)
+        if decision.outcome is Outcome.HOLD:
+            answer = await self._wait_for_answer(actor, request, decision, receipt)
+            return Authorization(answer, request, decision)
+        self._deny(decision.denial(receipt.entry_hash))
+        raise AssertionError  # pragma: no cover - _deny raises
+
+    async def complete(
+        self,
+        auth: Authorization,
+        *,
+        output: bytes | None = None,
+        exit_code: int | None = None,
+        error: str | None = None,
+        detail: Mapping[str, JsonValue] | None = None,
+    ) -> Receipt:
+        """Record what the authorized operation did (its output's hash, its exit code)."""
+        extra: dict[str, JsonValue] = dict(detail or {})
+        if error is not None:
+            extra["error"] = error[:1000]
+        entry = execution_entry(
+            auth.receipt,
+            output_hash=None if output is None else "sha256:" + hashlib.sha256(output).hexdigest(),
+            exit_code=exit_code,
+            detail=extra or None,
+        )
+        return await anyio.to_thread.run_sync(self._append_and_checkpoint, entry)
+
+    def _append_and_checkpoint(self, entry: Entry) -> Receipt:
+        receipt = self.log.append(entry)
+        self.log.maybe_checkpoint()
+        return receipt
+
+    def _policy_ref(self, decision: Decision) -> PolicyRef:
+        return PolicyRef(
+            engine=decision.engine,
+            policy_hash=decision.policy_hash,
+            matched=tuple(decision.matched),
+        )
+
+    def _deny(self, error: PolicyDenied) -> None:
+        if self.on_deny is not None:
+            self.on_deny(error)
+        raise error
+
+    # -- HOLD and approvals -------------------------------------------------------------------
+
+    async def _wait_for_answer(
+        self, actor: Actor, request: PolicyRequest, decision: Decision, hold: Receipt
+    ) -> Receipt:
+        now = time.time()
+        approval_id = new_id("appr")
+        question = decision.hold_reason or decision.message or "approve this operation?"
+        row = {
+            "id": approval_id,
+            "tenant": actor.tenant,
+            "principal": actor.principal,
+            "sandbox_id": request.resource.sandbox_id,
+            "action": request.action,
+            "summary": _summary(request)[:2000],
+            "question": question,
+            "request": request.canonical(),
+            "hold_seq": hold.seq,
+            "status": "pending",
+            "created_at": now,
+            "expires_at": now + self.hold_timeout,
+        }
+        await self._db(lambda conn: conn.execute(insert(approvals).values(**row)))
+        delay = 0.02
+        while time.time() < now + self.hold_timeout:
+            await anyio.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+            answer = await self._answer_receipt(hold)
+            if answer is not None:
+                return self._accept(answer, decision)
+        # Nobody answered in time: the gate answers DENY itself. If an approver got there in
+        # the same instant, the log refuses our answer (a HOLD is answered once) and theirs holds.
+        try:
+            timeout = await anyio.to_thread.run_sync(
+                self.log.append,
+                approval_entry(
+                    hold,
+                    decision=ReceiptDecision.DENY,
+                    principal="system:gate",
+                    reason_code="HOLD_TIMEOUT",
+                ),
+            )
+        except Conflict:
+            answer = await self._answer_receipt(hold)
+            assert answer is not None
+            return self._accept(answer, decision)
+        await self._settle_row(approval_id, "expired", "system:gate", timeout.seq)
+        self._deny(
+            PolicyDenied(
+                f"no answer to the approval request within {self.hold_timeout:g}s ({question})",
+                reason_code="HOLD_TIMEOUT",
+                receipt_id=timeout.entry_hash,
+            )
+        )
+        raise AssertionError  # pragma: no cover
+
+    def _accept(self, answer: Receipt, decision: Decision) -> Receipt:
+        if answer.decision is ReceiptDecision.ALLOW:
+            return answer
+        self._deny(
+            PolicyDenied(
+                f"the approval request was denied by {answer.body.get('principal')}",
+                reason_code=answer.reason_code or "HOLD_DENIED",
+                receipt_id=answer.entry_hash,
+            )
+        )
+        raise AssertionError  # pragma: no cover
+
+    async def _answer_receipt(self, hold: Receipt) -> Receipt | None:
+        def read(conn: Connection) -> Receipt | None:
+            row = conn.execute(
+                select(receipts_table.c.seq).where(
+                    and_(
+                        receipts_table.c.log_id == self.log.log_id,
+                        receipts_table.c.consumes == hold.entry_hash,
+                    )
+                )
+            ).first()
+            return None if row is None else self.log.get(int(row[0]))
+
+        return await self._db(read, write=False)
+
+    async def answer(self, approval_id: str, actor: Actor, *, allow: bool) -> Approval:
+        """Approve or deny a pending HOLD (as ``actor``); the answer is a receipt.
+
+        Raises:
+            NotFound: No such approval in the actor's tenant.
+            Conflict: It was answered already, or expired.
+        """
+        current = await self.get_approval(approval_id, actor)
+        if current.status != "pending":
+            msg = f"approval {approval_id} is {current.status} already"
+            raise Conflict(msg)
+        hold = await anyio.to_thread.run_sync(self.log.get, current.hold_seq)
+        entry = approval_entry(
+            hold,
+            decision=ReceiptDecision.ALLOW if allow else ReceiptDecision.DENY,
+            principal=actor.principal,
+            reason_code="APPROVED" if allow else "REJECTED",
+        )
+        try:
+            answer = await anyio.to_thread.run_sync(self.log.append, entry)
+        except Conflict:
+            msg = f"approval {approval_id} was answered already"
+            raise Conflict(msg) from None
+        await self._settle_row(
+            approval_id, "approved" if allow else "denied", actor.principal, answer.seq
+        )
+        return await self.get_approval(approval_id, actor)
+
+    async def get_approval(self, approval_id: str, actor: Actor) -> Approval:
+        """One approval (``NotFound`` outside the actor's tenant)."""
+        rows = await self.list_approvals(actor, status=None, approval_id=approval_id)
+        if not rows:
+            msg = f"no approval {approval_id!r}"
+            raise NotFound(msg, id=approval_id)
+        return rows[0]
+
+    async def list_approvals(
+        self, actor: Actor, *, status: str | None = "pending", approval_id: str | None = None
+    ) -> list[Approval]:
+        """Approvals of the actor's tenant (all tenants for admins), newest first."""
+        if status not in (None, "pending", "approved", "denied", "expired"):
+            msg = f"unknown approval status {status!r}"
+            raise InvalidRequest(msg)
+        stmt = select(approvals).order_by(approvals.c.created_at.desc())
+        if not actor.admin:
+            stmt = stmt.where(approvals.c.tenant == actor.tenant)
+        if status is not None:
+            stmt = stmt.where(approvals.c.status == status)
+        if approval_id is not None:
+            stmt = stmt.where(approvals.c.id == approval_id)
+
+        def read(conn: Connection) -> list[Approval]:
+            return [
+                Approval(
+                    id=r["id"],
+                    tenant=r["tenant"],
+                    principal=r["principal"],
+                    sandbox_id=r["sandbox_id"],
+                    action=r["action"],
+                    summary=r["summary"],
+                    question=r["question"],
+                    status=r["status"],
+                    hold_seq=r["hold_seq"],
+                    created_at=r["created_at"],
+                    expires_at=r["expires_at"],
+                    decided_by=r["decided_by"],
+                    decided_at=r["decided_at"],
+                )
+                for r in conn.execute(stmt).mappings()
+            ]
+
+        return await self._db(read, write=False)
+
+    async def _settle_row(self, approval_id: str, status: str, by: str, answer_seq: int) -> None:
+        await self._db(
+            lambda conn: conn.execute(
+                update(approvals)
+                .where(approvals.c.id == approval_id)
+                .values(status=status, decided_by=by, decided_at=time.time(), answer_seq=answer_seq)
+            )
+        )
+
+    async def _db(self, fn: Callable[[Connection], T], *, write: bool = True) -> T:
+        def run() -> T:
+            with self.db.begin() if write else self.db.connect() as conn:
+                return fn(conn)
+
+        return await anyio.to_thread.run_sync(run)

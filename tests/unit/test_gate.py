@@ -1,0 +1,262 @@
+"""The policy gate in front of every Manager operation, and the receipts it leaves."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+from sqlalchemy import text
+
+from sandlot import PolicyDenied, SandboxError
+from sandlot.manager import Manager
+from sandlot.receipts import Receipt, verify_log
+from sandlot.sdk import AsyncSandlot
+from sandlot.testing import FakeBackend
+
+PERMIT_ALL = "permit (principal, action, resource);\n"
+DENY_ALL = 'permit (principal, action == Action::"sandbox.create", resource);\n'
+
+
+def _policy(tmp_path: Path, name: str, text_: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text_)
+    return path
+
+
+async def test_default_policy_denies_rm_rf_root_before_the_backend(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    sb = await aclient.create()
+    denials: list[PolicyDenied] = []
+    aclient.manager.gate.on_deny = denials.append  # type: ignore[union-attr]
+    for spelling in (
+        ["rm", "-rf", "/"],
+        "rm -fr /*",
+        ["/bin/rm", "--recursive", "--force", "/"],
+        "sh -c 'rm -rf /'",
+    ):
+        with pytest.raises(PolicyDenied) as info:
+            await sb.exec(spelling)
+        assert info.value.reason_code
+        assert (info.value.receipt_id or "").startswith("sha256:")
+    assert fake.calls_for(sb.id, "exec") == []
+    assert len(denials) == 4
+    # Ordinary work goes through.
+    assert (await sb.exec(["echo", "fine"])).stdout == "fine\n"
+
+
+async def test_allowed_exec_leaves_decision_and_execution_receipts(aclient: AsyncSandlot) -> None:
+    sb = await aclient.create()
+    result = await sb.exec(["echo", "hello"])
+    log = aclient.receipts
+    *_, decision, execution = log.tail(2)
+    assert decision.type == "decision"
+    assert decision.body["decision"] == "ALLOW"
+    assert decision.body["op"] == "exec"
+    assert decision.body["sandbox_id"] == sb.id
+    assert execution.type == "execution"
+    assert execution.body["decision_ref"] == decision.entry_hash
+    assert execution.body["exit_code"] == 0
+    import hashlib
+
+    expected = "sha256:" + hashlib.sha256((result.stdout + result.stderr).encode()).hexdigest()
+    assert execution.body["output_hash"] == expected
+    lines = list(log.lines())
+    assert verify_log(lines, log.export_trust_root()).ok
+
+
+async def test_denied_operation_receipt_says_deny(home: Path, tmp_path: Path) -> None:
+    fake = FakeBackend()
+    policy = _policy(tmp_path, "p.cedar", DENY_ALL)
+    async with AsyncSandlot(home, backends={"fake": fake}, policy=policy) as client:
+        sb = await client.create()
+        with pytest.raises(PolicyDenied) as info:
+            await sb.exec(["echo", "hi"])
+        last = client.receipts.tail(1)[0]
+        assert last.entry_hash == info.value.receipt_id
+        assert last.body["decision"] == "DENY"
+        assert last.type == "decision"
+
+
+# Arguments for every public Manager operation; a new one must be added here (the test below
+# fails otherwise), so no operation can skip the gate unnoticed.
+def _calls(sid: str, snap: str) -> dict[str, tuple[tuple[object, ...], dict[str, object]]]:
+    return {
+        "exec": ((sid, ["echo", "x"]), {}),
+        "read_file": ((sid, "/workspace/f"), {}),
+        "write_files": ((sid, {"/workspace/f": b"x"}), {}),
+        "list_files": ((sid, "/workspace"), {}),
+        "remove_file": ((sid, "/workspace/f"), {}),
+        "stop": ((sid,), {}),
+        "resume": ((sid,), {}),
+        "destroy": ((sid,), {}),
+        "keep_alive": ((sid, 60), {}),
+        "snapshot": ((sid,), {}),
+        "delete_snapshot": ((snap,), {}),
+        "restore": ((sid, snap), {}),
+        "fork": ((sid, 2), {}),
+        "expose_port": ((sid, 8080), {}),
+    }
+
+
+READ_ONLY = {"get", "list", "list_ports", "list_snapshots", "list_approvals", "explain", "aclose"}
+STREAMS = {"stream_file": "/workspace/f", "logs": None}
+HOUSEKEEPING = {"reconcile", "stop_expired", "approve", "deny", "create"}
+
+
+async def test_every_manager_operation_passes_the_gate(home: Path, tmp_path: Path) -> None:
+    fake = FakeBackend()
+    async with AsyncSandlot(
+        home, backends={"fake": fake}, policy=_policy(tmp_path, "a.cedar", PERMIT_ALL)
+    ) as permissive:
+        sb = await permissive.create()
+        await sb.write_file("/workspace/f", "x")
+        snap = await sb.snapshot()
+    deny_path = _policy(tmp_path, "d.cedar", DENY_ALL)
+    async with AsyncSandlot(home, backends={"fake": fake}, policy=deny_path) as client:
+        manager = client.manager
+        calls = _calls(sb.id, snap.id)
+        public = {
+            name
+            for name, fn in inspect.getmembers(Manager, inspect.isfunction)
+            if not name.startswith("_")
+            and (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn))
+        }
+        assert public == set(calls) | READ_ONLY | set(STREAMS) | HOUSEKEEPING
+        fake.calls.clear()
+        for name, (args, kwargs) in calls.items():
+            with pytest.raises(PolicyDenied):
+                await getattr(manager, name)(*args, **kwargs)
+            assert fake.calls == [], f"{name} reached the backend: {fake.calls}"
+        for name, path in STREAMS.items():
+            args = (sb.id, path) if path else (sb.id,)
+            with pytest.raises(PolicyDenied):
+                async for _ in getattr(manager, name)(*args):
+                    pass
+            assert fake.calls == [], f"{name} reached the backend"
+        # create is gated too: a policy without the create permit refuses it before the backend.
+    nothing = _policy(
+        tmp_path,
+        "n.cedar",
+        "forbid (principal, action, resource);\npermit (principal, action, resource);\n",
+    )
+    async with AsyncSandlot(home, backends={"fake": fake}, policy=nothing) as client:
+        with pytest.raises(PolicyDenied):
+            await client.create()
+        assert fake.calls == []
+
+
+async def test_setup_and_start_commands_are_gated_one_by_one(home: Path, tmp_path: Path) -> None:
+    fake = FakeBackend()
+    policy = _policy(
+        tmp_path,
+        "p.cedar",
+        PERMIT_ALL + 'forbid (principal, action == Action::"process.start", resource);\n',
+    )
+    async with AsyncSandlot(home, backends={"fake": fake}, policy=policy) as client:
+        with pytest.raises(PolicyDenied):
+            await client.create(setup="echo ok", start="serve")
+        (sb,) = await client.list(include_destroyed=True)
+        assert [c.args["argv"] for c in fake.calls_for(sb.id, "exec")] == [["sh", "-c", "echo ok"]]
+        assert fake.calls_for(sb.id, "start_process") == []
+
+
+HOLD_EXEC = (
+    'permit (principal, action, resource) unless { action == Action::"exec" };\n'
+    '@hold("may this agent run it?")\npermit (principal, action == Action::"exec", resource);\n'
+)
+
+
+async def test_hold_waits_for_approval_from_another_client(home: Path, tmp_path: Path) -> None:
+    fake = FakeBackend()
+    policy = _policy(tmp_path, "h.cedar", HOLD_EXEC)
+    async with (
+        AsyncSandlot(home, backends={"fake": fake}, policy=policy) as agent,
+        AsyncSandlot(home, backends={"fake": fake}, policy=policy) as human,
+    ):
+        sb = await agent.create()
+        results: list[str] = []
+
+        async def run() -> None:
+            results.append((await sb.exec(["echo", "approved"])).stdout)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            pending = []
+            with anyio.fail_after(10):
+                while not pending:
+                    await anyio.sleep(0.02)
+                    pending = await human.list_approvals()
+            assert fake.calls_for(sb.id, "exec") == []
+            (approval,) = pending
+            assert approval.question == "may this agent run it?"
+            assert "echo approved" in approval.summary
+            answered = await human.approve(approval.id)
+            assert answered.status == "approved"
+        assert results == ["approved\n"]
+        hold, answer, execution = agent.receipts.tail(3)
+        assert (hold.type, hold.body["decision"]) == ("decision", "HOLD")
+        assert (answer.type, answer.body["decision"]) == ("approval", "ALLOW")
+        assert answer.body["decision_ref"] == hold.entry_hash
+        assert execution.type == "execution"
+        assert execution.body["decision_ref"] == answer.entry_hash
+        with pytest.raises(SandboxError):
+            await human.approve(approval.id)
+
+
+async def test_hold_denied_and_hold_timeout(home: Path, tmp_path: Path) -> None:
+    fake = FakeBackend()
+    policy = _policy(tmp_path, "h.cedar", HOLD_EXEC)
+    async with AsyncSandlot(
+        home, backends={"fake": fake}, policy=policy, hold_timeout=0.5
+    ) as client:
+        sb = await client.create()
+        with pytest.raises(PolicyDenied) as info:
+            await sb.exec(["echo", "late"])
+        assert info.value.reason_code == "HOLD_TIMEOUT"
+        (expired,) = await client.list_approvals(status="expired")
+        assert expired.decided_by == "system:gate"
+    async with AsyncSandlot(
+        home, backends={"fake": fake}, policy=policy, hold_timeout=10
+    ) as client:
+        sb = await client.get(sb.id)
+
+        async def refuse() -> None:
+            with anyio.fail_after(10):
+                while not (pending := await client.list_approvals()):
+                    await anyio.sleep(0.02)
+            await client.deny(pending[0].id)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(refuse)
+            with pytest.raises(PolicyDenied) as info:
+                await sb.exec(["echo", "no"])
+        assert info.value.reason_code == "REJECTED"
+    assert fake.calls_for(sb.id, "exec") == []
+
+
+async def test_nothing_runs_when_the_decision_cannot_be_recorded(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    sb = await aclient.create()
+    with aclient.manager.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(text("DROP TABLE receipts"))
+    aclient.receipts._tail = None
+    with pytest.raises(SandboxError):
+        await sb.exec(["echo", "x"])
+    assert fake.calls_for(sb.id, "exec") == []
+
+
+async def test_on_receipt_and_explain(home: Path, fake: FakeBackend) -> None:
+    seen: list[Receipt] = []
+    async with AsyncSandlot(home, backends={"fake": fake}, on_receipt=seen.append) as client:
+        sb = await client.create()
+        await sb.exec("true")
+        assert [r.type for r in seen][-2:] == ["decision", "execution"]
+        explanation = await sb.explain("exec", command="rm -rf /")
+        assert json.dumps(explanation.to_dict())
+        assert "DENY" in explanation.render() or "deny" in explanation.render().lower()
+        assert [r.type for r in seen][-2:] == ["decision", "execution"], "explain records nothing"
