@@ -7,7 +7,9 @@ and comes back as the same class (:func:`error_from_code`)::
 
     SandboxError                       code             status
     ├── InvalidRequest (ValueError)    invalid_request  422
+    ├── Unauthenticated (PermissionError) unauthenticated 401
     ├── NotFound (LookupError)         not_found        404
+    ├── OutputExpired                  output_expired   410
     ├── Conflict                       conflict         409
     ├── InvalidState (RuntimeError)    invalid_state    409
     ├── PolicyDenied (PermissionError) policy_denied    403
@@ -16,6 +18,7 @@ and comes back as the same class (:func:`error_from_code`)::
     ├── NotSupported (NotImplementedError) not_supported 501
     ├── BackendUnavailable             backend_unavailable 503
     ├── BackendError                   backend_error    502
+    │   └── VerificationFailed         verification_failed 502
     └── ExecFailed                     exec_failed      422   (only with ``check=True``)
 
 Third-party exceptions are wrapped where they are caught (``raise BackendError(...) from e``);
@@ -38,10 +41,13 @@ __all__ = [
     "InvalidState",
     "NotFound",
     "NotSupported",
+    "OutputExpired",
     "PolicyDenied",
     "QuotaExceeded",
     "SandboxError",
     "SandboxTimeout",
+    "Unauthenticated",
+    "VerificationFailed",
     "error_from_code",
 ]
 
@@ -70,6 +76,20 @@ class InvalidRequest(SandboxError, ValueError):
 
     code = "invalid_request"
     status = 422
+
+
+class Unauthenticated(SandboxError, PermissionError):
+    """The request carried no API key, or one that is unknown or revoked."""
+
+    code = "unauthenticated"
+    status = 401
+
+
+class OutputExpired(SandboxError):
+    """The command output a reader asked for is older than the server keeps."""
+
+    code = "output_expired"
+    status = 410
 
 
 class NotFound(SandboxError, LookupError):
@@ -142,6 +162,14 @@ class BackendError(SandboxError):
     status = 502
 
 
+class VerificationFailed(BackendError):
+    """A verified reset found the sandbox not in the state it was reset to; ``details`` name
+    the sources that diverged."""
+
+    code = "verification_failed"
+    status = 502
+
+
 class ExecFailed(SandboxError):
     """A command exited non-zero and the caller asked for ``check=True``."""
 
@@ -167,6 +195,9 @@ _BY_CODE: dict[str, type[SandboxError]] = {
         NotSupported,
         BackendUnavailable,
         BackendError,
+        Unauthenticated,
+        OutputExpired,
+        VerificationFailed,
     )
 }
 

@@ -22,31 +22,39 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import hashlib
+import json
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar, final
 
 import anyio
 
-from sandlot.backends.base import Backend, SnapshotRef
+from sandlot.backends.base import Backend, NetworkControl, SnapshotRef
 from sandlot.channel.base import MAIN_LOG, Channel, OutputCallback, Stdin
 from sandlot.errors import (
     BackendError,
+    BackendUnavailable,
     Conflict,
     ExecFailed,
     InvalidRequest,
     InvalidState,
     NotFound,
     NotSupported,
+    PolicyDenied,
     SandboxError,
     SandboxTimeout,
+    VerificationFailed,
+    error_from_code,
 )
 from sandlot.gate.gate import SYSTEM
+from sandlot.journal import LEASED_STATES, Intent, IntentState, Journal, Lease, owner_alive
 from sandlot.models import (
     LOCAL_ACTOR,
     Actor,
@@ -57,6 +65,8 @@ from sandlot.models import (
     FileInfo,
     GitSource,
     JsonValue,
+    NetworkAllowlist,
+    NetworkPolicy,
     OutputChunk,
     PortMapping,
     SandboxInfo,
@@ -64,6 +74,7 @@ from sandlot.models import (
     SandboxStatus,
     SnapshotInfo,
     new_id,
+    parse_model,
     utcnow,
 )
 from sandlot.policy.request import Resource
@@ -78,6 +89,11 @@ __all__ = ["Manager", "ReconcileReport", "command_argv"]
 
 S = SandboxStatus
 T = TypeVar("T")
+RECENT = 1.0
+"""Seconds a record this process just read or wrote may stand in for a read on the hot path
+(while its channel is open, which is the stronger sign the sandbox still runs)."""
+TOUCH_EVERY = 1.0
+"""Activity is written at most this often per sandbox (idle timeouts are far coarser)."""
 LAST_LINES = 20
 """How many lines of output a death certificate keeps."""
 
@@ -109,12 +125,25 @@ class ReconcileReport:
 
 
 class _Outcome:
-    """What an operation reports for its execution receipt (filled in while it runs)."""
+    """What an operation reports for its execution receipt and, when it carries an
+    idempotency key, for its journal intent (filled in while it runs)."""
 
     def __init__(self) -> None:
         self.output: bytes | None = None
         self.exit_code: int | None = None
         self.detail: dict[str, JsonValue] = {}
+        self.lease: Lease | None = None
+        """The journal lease, for operations with an idempotency key."""
+        self.result: JsonValue = None
+        """The durable result a replay of the same key returns."""
+        self.final_state: str = "RESULT_RECORDED"
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """The recorded result of an earlier call with the same idempotency key."""
+
+    result: JsonValue
 
 
 class _Tail:
@@ -144,6 +173,8 @@ class Manager:
         create_timeout: After this, a creation in flight counts as abandoned (seconds).
         gate: The policy gate every operation passes first (None: no policy, no receipts —
             for unit tests of the lifecycle only; the SDK always has one).
+        journal: The durable intent journal that makes operations with an idempotency key
+            replayable and crash-safe (None: idempotency keys are refused).
     """
 
     def __init__(
@@ -155,6 +186,7 @@ class Manager:
         transition_timeout: float = 120.0,
         create_timeout: float = 3600.0,
         gate: Gate | None = None,
+        journal: Journal | None = None,
     ) -> None:
         if default_backend not in backends:
             msg = f"default backend {default_backend!r} is not among {sorted(backends)}"
@@ -165,15 +197,47 @@ class Manager:
         self.transition_timeout = transition_timeout
         self.create_timeout = create_timeout
         self.gate = gate
+        self.journal = journal
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._channels: dict[str, tuple[str, Channel]] = {}
         self._used: dict[str, Backend] = {}
+        self._recent: dict[str, tuple[SandboxInfo, float]] = {}
 
     # -- records ----------------------------------------------------------------------------
 
     async def get(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
         """One sandbox's record (``NotFound`` names the id)."""
-        return await self.store.get(sandbox_id, tenant=None if actor.admin else actor.tenant)
+        sb = await self.store.get(sandbox_id, tenant=None if actor.admin else actor.tenant)
+        self._recent[sb.id] = (sb, time.monotonic())
+        return sb
+
+    async def _current(self, sandbox_id: str, actor: Actor) -> SandboxInfo:
+        """The record for a hot-path operation: the one this process saw within
+        :data:`RECENT` seconds when the sandbox was running and its channel is still open,
+        else a fresh read. Tenancy is checked either way."""
+        hit = self._recent.get(sandbox_id)
+        if hit is not None and time.monotonic() - hit[1] < RECENT:
+            sb = hit[0]
+            cached = self._channels.get(sandbox_id)
+            if (
+                sb.status is S.RUNNING
+                and (actor.admin or sb.tenant == actor.tenant)
+                and cached is not None
+                and cached[0] == sb.backend_ref
+                and not cached[1].closed
+            ):
+                return sb
+        return await self.get(sandbox_id, actor=actor)
+
+    async def _touch(self, sb: SandboxInfo) -> None:
+        """Record activity (for idle timeouts), at most every :data:`TOUCH_EVERY` seconds."""
+        now = utcnow()
+        if (now - sb.last_active_at).total_seconds() < TOUCH_EVERY:
+            return
+        await self.store.touch(sb.id, now)
+        hit = self._recent.get(sb.id)
+        if hit is not None and hit[0].version == sb.version:
+            self._recent[sb.id] = (hit[0].model_copy(update={"last_active_at": now}), hit[1])
 
     async def list(
         self,
@@ -212,26 +276,225 @@ class Manager:
         actor: Actor,
         action: str,
         target: SandboxInfo | Resource,
+        *,
+        intent: Intent | None = None,
         **args: object,
     ) -> AsyncIterator[_Outcome]:
         """Decide (and record) before the body runs; record what it did after.
 
         Nothing in the body runs unless the gate allowed it, and every allowed operation gets
-        an execution receipt, also when it fails.
+        an execution receipt, also when it fails. With an ``intent`` (an idempotency key), the
+        ALLOW decision is consumed as the intent's one-use authorization before the body runs,
+        and the body's result (or its error) is recorded for replays.
         """
         outcome = _Outcome()
-        if self.gate is None:
-            yield outcome
-            return
-        resource = target if isinstance(target, Resource) else Resource.of(target)
-        auth = await self.gate.authorize(actor, action, resource, args)
+        auth = None
+        if self.gate is not None:
+            resource = target if isinstance(target, Resource) else Resource.of(target)
+            try:
+                auth = await self.gate.authorize(
+                    actor,
+                    action,
+                    resource,
+                    args,
+                    idempotency_key=intent.idempotency_key if intent else None,
+                )
+            except PolicyDenied as e:
+                if intent is not None:
+                    await self._jr(
+                        self._journal().deny,
+                        intent.intent_id,
+                        decision=e.receipt_id or "none",
+                        reason=e.reason_code,
+                    )
+                raise
+        if intent is not None:
+            decision = auth.receipt.entry_hash if auth else f"ungated:{intent.intent_id}"
+            outcome.lease = await self._jr(
+                self._journal().authorize, intent.intent_id, decision=decision
+            )
         try:
             yield outcome
         except BaseException as e:
             with anyio.CancelScope(shield=True):
-                await self._complete(auth, outcome, error=f"{type(e).__name__}: {e}")
+                if auth is not None:
+                    await self._complete(auth, outcome, error=f"{type(e).__name__}: {e}")
+                if outcome.lease is not None:
+                    with contextlib.suppress(SandboxError):
+                        await self._jr(self._journal().fail, outcome.lease, error=_encode_error(e))
             raise
-        await self._complete(auth, outcome)
+        if auth is not None:
+            await self._complete(auth, outcome)
+        if outcome.lease is not None:
+            await self._finish_intent(outcome, auth)
+
+    async def _finish_intent(self, outcome: _Outcome, auth: Authorization | None) -> None:
+        assert outcome.lease is not None
+        journal = self._journal()
+        if outcome.final_state == "CLEANED":
+            await self._jr(journal.advance, outcome.lease, "CLEANED", result=outcome.result)
+        else:
+            await self._jr(
+                journal.record_result,
+                outcome.lease,
+                result=outcome.result,
+                receipt_seq=auth.receipt.seq if auth else None,
+            )
+
+    # -- idempotency keys ------------------------------------------------------------------
+
+    def _journal(self) -> Journal:
+        if self.journal is None:
+            msg = "idempotency keys need the journal (this manager runs without one)"
+            raise NotSupported(msg)
+        return self.journal
+
+    async def _jr(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """Run a (synchronous, database) journal call in a worker thread."""
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+    async def _begin_intent(
+        self,
+        actor: Actor,
+        op: str,
+        request: Mapping[str, JsonValue],
+        key: str | None,
+    ) -> Intent | _Replay | None:
+        """Record the intent of an operation with an idempotency key.
+
+        Returns None without a key; the new (or never authorized) intent to run; or, for a
+        key seen before with the same request, the recorded result (``_Replay``). Raises what
+        an earlier attempt raised, and ``Conflict`` for a key reused with another request. A
+        replay that finds the first attempt still running waits for it; one that finds it
+        abandoned by a crash settles it (it is never run twice).
+        """
+        if key is None:
+            return None
+        if not key or len(key) > 200:
+            msg = "an idempotency key is 1 to 200 characters"
+            raise InvalidRequest(msg)
+        journal = self._journal()
+        begun = await self._jr(
+            journal.begin,
+            tenant=actor.tenant,
+            principal=actor.principal,
+            op=op,
+            request=dict(request),
+            idempotency_key=key,
+        )
+        intent = begun.intent
+        if not begun.replay or intent.state is IntentState.PREPARED:
+            return intent
+        if intent.state in LEASED_STATES and owner_alive(intent.lease_owner or ""):
+            intent = await self._jr(journal.wait, intent.intent_id, timeout=self.transition_timeout)
+        if intent.state in LEASED_STATES:
+            await self._recover_intent(intent)
+            intent = await self._jr(journal.get, intent.intent_id)
+        return _Replay(_replayed(intent))
+
+    async def recover(self) -> dict[str, str]:
+        """Settle intents whose worker died (a crash, a ``kill -9``): run at start-up.
+
+        Nothing is run twice: an exec or a write that may have started is reported with an
+        unknown outcome, a creation is settled like any abandoned one (its record failed, its
+        backend sandbox kept), a destroy is finished (destroying is idempotent). A backend
+        that cannot answer leaves the intent ``NEEDS_RECONCILE`` (``sandlot doctor`` lists
+        them). Returns intent id -> what happened.
+        """
+        if self.journal is None:
+            return {}
+        done: dict[str, str] = {}
+        intents = await self._jr(self.journal.list, states=sorted(s.value for s in LEASED_STATES))
+        now = utcnow()
+        for intent in intents:
+            expired = intent.lease_expires_at is None or intent.lease_expires_at <= now
+            if not expired and (intent.lease_owner is None or owner_alive(intent.lease_owner)):
+                continue
+            try:
+                done[intent.intent_id] = await self._recover_intent(intent)
+            except Conflict:
+                continue
+        return done
+
+    async def _recover_intent(self, intent: Intent) -> str:
+        journal = self._journal()
+        dead = (
+            intent.lease_owner
+            if intent.lease_owner and not owner_alive(intent.lease_owner)
+            else None
+        )
+        lease = await self._jr(journal.take_over, intent.intent_id, dead_owner=dead)
+        if intent.op == "destroy":
+            # A crash before the sandbox was attached to the intent leaves it in the request.
+            target = intent.sandbox_id or intent.request.get("sandbox_id")
+            if isinstance(target, str):
+                return await self._recover_destroy(lease, target)
+        if intent.op == "sandbox.create" and intent.sandbox_id is not None:
+            try:
+                sb = await self.store.get(intent.sandbox_id)
+            except NotFound:
+                pass  # the record is written before the backend is asked: nothing was made
+            else:
+                return await self._recover_create(lease, sb)
+        unknown = intent.state is IntentState.RUNNING
+        what = (
+            "its outcome is unknown (the process running it died); it was not run again"
+            if unknown
+            else "it was interrupted before it ran; it was not run"
+        )
+        error = BackendUnavailable(
+            f"{intent.op} {what}", outcome="unknown" if unknown else "not_run"
+        )
+        await self._jr(journal.fail, lease, error=_encode_error(error))
+        return "failed"
+
+    async def _recover_destroy(self, lease: Lease, sandbox_id: str) -> str:
+        """Finish a destroy whose worker died (destroying is idempotent), so a replay of its
+        key answers the destroyed record."""
+        journal = self._journal()
+        try:
+            sb = await self.store.get(sandbox_id)
+            sb = await self._destroy(sb, "destroyed", "destroy finished after a crash")
+        except BackendUnavailable as e:
+            await self._jr(journal.needs_reconcile, lease.intent_id, why=str(e))
+            return "needs_reconcile"
+        if lease.state is not IntentState.CLEANING:
+            lease = await self._jr(journal.advance, lease, "CLEANING", sandbox_id=sb.id)
+        await self._jr(journal.advance, lease, "CLEANED", result=sb.model_dump(mode="json"))
+        return "finished"
+
+    async def _recover_create(self, lease: Lease, sb: SandboxInfo) -> str:
+        """Settle a creation whose worker died, so a replay of its key answers its sandbox.
+
+        A sandbox that reached ``running`` is the result (only the journal's last write was
+        lost); one still in creation is failed like any abandoned creation (its backend
+        sandbox kept), and the replay raises ``InvalidState`` naming it. Either way a backend
+        sandbox found for the record is recorded as the intent's allocation (adopted, never
+        made again), so destroying it later releases the allocation.
+        """
+        journal = self._journal()
+        if sb.status.transitional:
+            try:
+                sb = await self._settle(sb)
+            except BackendUnavailable as e:
+                await self._jr(journal.needs_reconcile, lease.intent_id, why=str(e))
+                return "needs_reconcile"
+        if lease.state is IntentState.ALLOCATING and sb.backend_ref is not None:
+            lease = await self._jr(journal.allocated, lease, provider_ref=sb.backend_ref)
+        if sb.status is S.RUNNING:
+            await self._jr(
+                journal.record_result, lease, result={"sandbox_id": sb.id}, receipt_seq=None
+            )
+            return "adopted"
+        cause = f": {sb.death.cause} ({sb.death.message})" if sb.death else ""
+        error = InvalidState(
+            f"the creation of sandbox {sb.id} was interrupted by a crash; it is {sb.status}{cause}",
+            id=sb.id,
+            sandbox_id=sb.id,
+            status=sb.status.value,
+        )
+        await self._jr(journal.fail, lease, error=_encode_error(error))
+        return "failed"
 
     async def _complete(
         self, auth: Authorization, outcome: _Outcome, error: str | None = None
@@ -287,19 +550,31 @@ class Manager:
         backend: str | None = None,
         actor: Actor = LOCAL_ACTOR,
         on_setup_output: OutputCallback | None = None,
+        idempotency_key: str | None = None,
     ) -> SandboxInfo:
         """Provision a sandbox, clone its repository, run its setup and start its main process.
 
         A failing step leaves the sandbox ``failed`` with a death certificate and keeps the
-        backend's sandbox for inspection; the error is raised.
+        backend's sandbox for inspection; the error is raised. With an ``idempotency_key``,
+        a repeated call with the same spec returns the same sandbox (a different spec under
+        the same key is a ``Conflict``), and a crash never allocates twice.
         """
         name = backend or self.default_backend
         impl = self._backend(name)
         self._check_capabilities(impl, spec)
-        sandbox_id = new_id("sb")
+        request: dict[str, JsonValue] = {"backend": name, "spec": spec.model_dump(mode="json")}
+        begun = await self._begin_intent(actor, "sandbox.create", request, idempotency_key)
+        if isinstance(begun, _Replay):
+            assert isinstance(begun.result, dict)
+            return await self.get(str(begun.result["sandbox_id"]), actor=actor)
+        # Under a key the id (and so every backend name derived from it) follows from the
+        # intent: a retry after a crash finds what the first attempt made.
+        sandbox_id = "sb-" + begun.intent_id.split(":")[-1][:12] if begun else new_id("sb")
         target = Resource.for_spec(sandbox_id, spec, backend=name, tenant=actor.tenant)
-        async with self._gated(actor, "sandbox.create", target, spec=spec):
-            return await self._create(sandbox_id, name, impl, spec, actor, on_setup_output)
+        async with self._gated(actor, "sandbox.create", target, intent=begun, spec=spec) as outcome:
+            info = await self._create(sandbox_id, name, impl, spec, actor, on_setup_output, outcome)
+            outcome.result = {"sandbox_id": info.id}
+            return info
 
     async def _create(
         self,
@@ -309,7 +584,16 @@ class Manager:
         spec: SandboxSpec,
         actor: Actor,
         on_setup_output: OutputCallback | None,
+        outcome: _Outcome,
     ) -> SandboxInfo:
+        if outcome.lease is not None:
+            journal = self._journal()
+            outcome.lease = await self._jr(journal.attach_sandbox, outcome.lease, sandbox_id)
+            # ALLOCATING is durable before the backend is asked: recovery looks the name up
+            # instead of allocating a second time.
+            outcome.lease = await self._jr(
+                journal.allocating, outcome.lease, backend=name, name=sandbox_id
+            )
         now = utcnow()
         sb = SandboxInfo(
             id=sandbox_id,
@@ -332,6 +616,10 @@ class Manager:
         except SandboxError as e:
             await self._fail(sb, "backend_error", f"backend create failed: {e}")
             raise
+        if outcome.lease is not None:
+            outcome.lease = await self._jr(
+                self._journal().allocated, outcome.lease, provider_ref=ref
+            )
         sb = await self._cas(sb, status=S.SETTING_UP, backend_ref=ref)
         tail = _Tail()
 
@@ -460,10 +748,13 @@ class Manager:
         on_output: OutputCallback | None = None,
         check: bool = False,
         auto_resume: bool = True,
+        idempotency_key: str | None = None,
     ) -> ExecResult:
         """Run a command to completion; output streams to ``on_output`` and is collected.
 
-        ``check=True`` raises ``ExecFailed`` (carrying the result) on a non-zero exit.
+        ``check=True`` raises ``ExecFailed`` (carrying the result) on a non-zero exit. With an
+        ``idempotency_key`` the command runs at most once: a repeat returns the first result,
+        and one whose first attempt died with its process reports the outcome as unknown.
         """
         if timeout is not None and timeout <= 0:
             msg = f"timeout must be positive, got {timeout}"
@@ -472,18 +763,37 @@ class Manager:
             msg = f"cwd must be an absolute path, got {cwd!r}"
             raise InvalidRequest(msg)
         argv, spec_cwd, spec_env = command_argv(command)
-        sb = await self.get(sandbox_id, actor=actor)
+        sb = await self._current(sandbox_id, actor)
         workdir = cwd or spec_cwd or sb.spec.workdir
         extra_env = spec_env | dict(env or {})
+        shown = command if isinstance(command, str) else argv
+        begun: Intent | _Replay | None = None
+        if idempotency_key is not None:
+            request: dict[str, JsonValue] = {
+                "sandbox_id": sb.id,
+                "command": shown if isinstance(shown, str) else list[JsonValue](shown),
+                "cwd": workdir,
+                "env": dict(extra_env),
+                "timeout": timeout,
+                "stdin": _stdin_identity(stdin),
+            }
+            begun = await self._begin_intent(actor, "exec", request, idempotency_key)
+            if isinstance(begun, _Replay):
+                result = ExecResult.model_validate(begun.result)
+                if check and result.exit_code != 0:
+                    msg = f"command exited with {result.exit_code}: {' '.join(argv)[:200]}"
+                    raise ExecFailed(msg, result)
+                return result
         async with self._gated(
-            actor,
-            "exec",
-            sb,
-            command=command if isinstance(command, str) else argv,
-            cwd=workdir,
-            env=extra_env,
+            actor, "exec", sb, intent=_fresh(begun), command=shown, cwd=workdir, env=extra_env
         ) as outcome:
             sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+            if outcome.lease is not None:
+                journal = self._journal()
+                outcome.lease = await self._jr(journal.attach_sandbox, outcome.lease, sb.id)
+                # RUNNING before the command is sent: after a crash, an intent found here has
+                # an unknown outcome and is never sent again.
+                outcome.lease = await self._jr(journal.advance, outcome.lease, "RUNNING")
             channel = await self._channel(sb)
             result = await self._channel_call(
                 sb,
@@ -502,7 +812,8 @@ class Manager:
                 "duration_ms": round(result.duration_ms, 3),
                 "timed_out": result.timed_out,
             }
-        await self.store.touch(sb.id, utcnow())
+            outcome.result = result.model_dump(mode="json")
+        await self._touch(sb)
         if check and result.exit_code != 0:
             msg = f"command exited with {result.exit_code}: {' '.join(argv)[:200]}"
             raise ExecFailed(msg, result)
@@ -526,7 +837,7 @@ class Manager:
     ) -> AsyncIterator[bytes]:
         """A file's bytes in chunks."""
         _check_path(path)
-        sb = await self.get(sandbox_id, actor=actor)
+        sb = await self._current(sandbox_id, actor)
         async with self._gated(actor, "fs.read", sb, path=path) as outcome:
             sb = await self._ready(sandbox_id, actor, auto_resume, sb)
             channel = await self._channel(sb)
@@ -537,7 +848,7 @@ class Manager:
                 size += len(chunk)
                 yield chunk
             outcome.detail = {"sha256": digest.hexdigest(), "size": size}
-        await self.store.touch(sb.id, utcnow())
+        await self._touch(sb)
 
     async def write_files(
         self,
@@ -547,22 +858,57 @@ class Manager:
         actor: Actor = LOCAL_ACTOR,
         mode: int | None = None,
         auto_resume: bool = True,
+        idempotency_key: str | None = None,
     ) -> builtins.list[FileInfo]:
-        """Create or replace files (parents are made); strings are written as UTF-8."""
+        """Create or replace files (parents are made); strings are written as UTF-8.
+
+        Each file is decided by the policy on its own. With an ``idempotency_key`` a repeat
+        of the same call (same paths and contents) returns the first call's result.
+        """
         for path in files:
             _check_path(path)
-        sb = await self.get(sandbox_id, actor=actor)
-        infos = []
-        for path, data in files.items():
-            body = data.encode() if isinstance(data, str) else data
-            async with self._gated(actor, "fs.write", sb, path=path) as outcome:
-                sb = await self._ready(sandbox_id, actor, auto_resume, sb)
-                channel = await self._channel(sb)
-                infos.append(
-                    await self._channel_call(sb, channel.write_file(path, body, mode=mode))
-                )
-                outcome.output = body
-        await self.store.touch(sb.id, utcnow())
+        if not files:
+            return []
+        bodies = {p: d.encode() if isinstance(d, str) else d for p, d in files.items()}
+        sb = await self._current(sandbox_id, actor)
+        begun: Intent | _Replay | None = None
+        if idempotency_key is not None:
+            request: dict[str, JsonValue] = {
+                "sandbox_id": sb.id,
+                "files": {p: "sha256:" + hashlib.sha256(b).hexdigest() for p, b in bodies.items()},
+                "mode": mode,
+            }
+            begun = await self._begin_intent(actor, "fs.write", request, idempotency_key)
+            if isinstance(begun, _Replay):
+                assert isinstance(begun.result, dict)
+                files_done = begun.result["files"]
+                assert isinstance(files_done, list)
+                return [FileInfo.model_validate(f) for f in files_done]
+        (first, *rest) = bodies.items()
+        infos: builtins.list[FileInfo] = []
+
+        async def write(path: str, body: bytes, outcome: _Outcome) -> None:
+            nonlocal sb
+            sb = await self._ready(sandbox_id, actor, auto_resume, sb)
+            channel = await self._channel(sb)
+            infos.append(await self._channel_call(sb, channel.write_file(path, body, mode=mode)))
+            outcome.output = body
+
+        # The first file's decision also authorizes the intent; the others are decided inside
+        # its block, so a later denial fails the call as a whole (and its replays alike).
+        async with self._gated(
+            actor, "fs.write", sb, intent=_fresh(begun), path=first[0]
+        ) as outcome:
+            if outcome.lease is not None:
+                journal = self._journal()
+                outcome.lease = await self._jr(journal.attach_sandbox, outcome.lease, sb.id)
+                outcome.lease = await self._jr(journal.advance, outcome.lease, "RUNNING")
+            await write(*first, outcome)
+            for path, body in rest:
+                async with self._gated(actor, "fs.write", sb, path=path) as inner:
+                    await write(path, body, inner)
+            outcome.result = {"files": [i.model_dump(mode="json") for i in infos]}
+        await self._touch(sb)
         return infos
 
     async def list_files(
@@ -570,7 +916,7 @@ class Manager:
     ) -> builtins.list[FileInfo]:
         """A directory's entries."""
         _check_path(path)
-        sb = await self.get(sandbox_id, actor=actor)
+        sb = await self._current(sandbox_id, actor)
         async with self._gated(actor, "fs.list", sb, path=path) as outcome:
             sb = await self._ready(sandbox_id, actor, auto_resume, sb)
             channel = await self._channel(sb)
@@ -589,7 +935,7 @@ class Manager:
     ) -> None:
         """Remove a file (or a tree with ``recursive``)."""
         _check_path(path)
-        sb = await self.get(sandbox_id, actor=actor)
+        sb = await self._current(sandbox_id, actor)
         async with self._gated(actor, "fs.remove", sb, path=path, recursive=recursive):
             sb = await self._ready(sandbox_id, actor, auto_resume, sb)
             channel = await self._channel(sb)
@@ -631,6 +977,7 @@ class Manager:
             msg = f"sandbox {sb.id} is destroyed"
             raise InvalidState(msg, id=sb.id)
         last = await self._last_output(sb)
+        sb = await self._drain_egress(sb)
         sb = await self._begin(sb, {S.RUNNING}, S.STOPPING)
         impl = self._backend(sb.backend)
         try:
@@ -702,12 +1049,28 @@ class Manager:
             last_active_at=utcnow(),
         )
 
-    async def destroy(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
+    async def destroy(
+        self,
+        sandbox_id: str,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        idempotency_key: str | None = None,
+    ) -> SandboxInfo:
         """Remove the sandbox from its backend. The record stays (hidden from ``list``) with a
         death certificate; destroying twice is fine."""
         sb = await self.get(sandbox_id, actor=actor)
-        async with self._gated(actor, "destroy", sb):
-            return await self._destroy(sb, "destroyed", "destroyed by request")
+        begun = await self._begin_intent(actor, "destroy", {"sandbox_id": sb.id}, idempotency_key)
+        if isinstance(begun, _Replay):
+            return SandboxInfo.model_validate(begun.result)
+        async with self._gated(actor, "destroy", sb, intent=begun) as outcome:
+            if outcome.lease is not None:
+                journal = self._journal()
+                outcome.lease = await self._jr(journal.attach_sandbox, outcome.lease, sb.id)
+                outcome.lease = await self._jr(journal.advance, outcome.lease, "CLEANING")
+            info = await self._destroy(sb, "destroyed", "destroyed by request")
+            outcome.result = info.model_dump(mode="json")
+            outcome.final_state = "CLEANED"
+            return info
 
     async def _destroy(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
         while True:
@@ -729,6 +1092,7 @@ class Manager:
             except Conflict:
                 sb = await self.store.get(sb.id)
         await self._drop_channel(sb.id)
+        sb = await self._drain_egress(sb)
         impl = self._backend(sb.backend)
         ref = sb.backend_ref
         if ref is None:
@@ -738,6 +1102,10 @@ class Manager:
                 ref = (await impl.list_owned()).get(sb.id)
         if ref is not None:
             await impl.destroy(ref)
+            if self.journal is not None:
+                # Whichever way it goes (a keyed or plain destroy, reconcile, a TTL), the
+                # allocation of the intent that created it, if any, ends with it.
+                await self._jr(self.journal.release, backend=sb.backend, provider_ref=ref)
         return await self._cas(
             sb,
             status=S.DESTROYED,
@@ -953,6 +1321,135 @@ class Manager:
 
     # -- ports --------------------------------------------------------------------------------
 
+    async def reset(
+        self, sandbox_id: str, snapshot_id: str | None = None, *, actor: Actor = LOCAL_ACTOR
+    ) -> SandboxInfo:
+        """Return the sandbox to a snapshot (default: its baseline, as created) and verify it.
+
+        If a verification source disagrees, the sandbox is marked ``failed`` (cause
+        ``verification``, the report in ``metadata["verification"]``) and ``VerificationFailed``
+        is raised naming the sources.
+        """
+        sb = await self.get(sandbox_id, actor=actor)
+        impl = self._backend(sb.backend)
+        if not impl.capabilities().reset:
+            msg = f"backend {sb.backend!r} cannot reset"
+            raise NotSupported(msg)
+        async with self._gated(actor, "reset", sb, snapshot_id=snapshot_id) as outcome:
+            snap = None
+            if snapshot_id is not None:
+                snap = await self.store.get_snapshot(
+                    snapshot_id, tenant=None if actor.admin else actor.tenant
+                )
+                if snap.backend != sb.backend:
+                    msg = f"snapshot {snap.id} is from backend {snap.backend}, sandbox is on {sb.backend}"
+                    raise InvalidRequest(msg)
+            sb = await self._settled(sb)
+            sb = await self._begin(sb, {S.RUNNING, S.STOPPED, S.FAILED}, S.RESUMING)
+            await self._drop_channel(sb.id)
+            assert sb.backend_ref is not None
+            try:
+                report = await impl.reset(
+                    sb.backend_ref, None if snap is None else _snapshot_ref(snap), sb.spec
+                )
+            except VerificationFailed as e:
+                await self._fail(sb, "verification", e.message)
+                current = await self.store.get(sb.id)
+                await self._cas(current, metadata={**current.metadata, "verification": e.details})
+                raise
+            except SandboxError as e:
+                await self._fail(sb, "backend_error", f"reset failed: {e}")
+                raise
+            outcome.detail = {"verification": report}
+            command = sb.spec.resume_command()
+            if command is not None:
+                await self._launch_main(sb, actor, await self._channel(sb), command)
+            return await self._cas(
+                sb,
+                status=S.RUNNING,
+                transition_owner=None,
+                transition_deadline=None,
+                error=None,
+                metadata={**sb.metadata, "verification": report},
+            )
+
+    # -- network --------------------------------------------------------------------------------
+
+    def _network_control(self, sb: SandboxInfo) -> NetworkControl:
+        impl = self._backend(sb.backend)
+        if not isinstance(impl, NetworkControl):
+            msg = f"backend {sb.backend!r} has no egress control"
+            raise NotSupported(msg)
+        return impl
+
+    async def update_network(
+        self, sandbox_id: str, policy: NetworkPolicy | str, *, actor: Actor = LOCAL_ACTOR
+    ) -> SandboxInfo:
+        """Change a running sandbox's egress policy; new connections follow it within a second."""
+        raw = policy.model_dump() if isinstance(policy, NetworkAllowlist) else policy
+        network = parse_model(SandboxSpec, {"network": raw}).network
+        sb = await self.get(sandbox_id, actor=actor)
+        impl = self._backend(sb.backend)
+        kind = network if isinstance(network, str) else "allowlist"
+        if kind not in impl.capabilities().network:
+            msg = f"backend {sb.backend!r} cannot enforce network policy {kind!r}"
+            raise NotSupported(msg)
+        control = self._network_control(sb)
+        policy_json = network if isinstance(network, str) else network.model_dump(mode="json")
+        async with self._gated(actor, "network.update", sb, network=policy_json):
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            assert sb.backend_ref is not None
+            await control.update_network(sb.backend_ref, network)
+            for _ in range(50):
+                try:
+                    return await self._cas(sb, spec=sb.spec.model_copy(update={"network": network}))
+                except Conflict:
+                    sb = await self.store.get(sb.id)
+            msg = f"sandbox {sb.id} keeps changing; update_network gave up"
+            raise Conflict(msg)
+
+    async def network_log(
+        self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR
+    ) -> builtins.list[dict[str, JsonValue]]:
+        """Every egress decision logged for the sandbox (and new ones become receipts)."""
+        sb = await self.get(sandbox_id, actor=actor)
+        control = self._network_control(sb)
+        await self._drain_egress(sb)
+        assert sb.backend_ref is not None
+        events, _ = await anyio.to_thread.run_sync(control.network_events, sb.backend_ref, 0)
+        return events
+
+    async def suggest_network(
+        self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR
+    ) -> NetworkAllowlist:
+        """The least-privilege allowlist covering what the sandbox connected to (record mode)."""
+        sb = await self.get(sandbox_id, actor=actor)
+        control = self._network_control(sb)
+        assert sb.backend_ref is not None
+        return await anyio.to_thread.run_sync(control.suggest_network, sb.backend_ref)
+
+    async def _drain_egress(self, sb: SandboxInfo) -> SandboxInfo:
+        """Turn egress events logged since the last drain into ``network.egress`` receipts;
+        the record as it is afterwards."""
+        impl = self._backend(sb.backend)
+        if self.gate is None or not isinstance(impl, NetworkControl) or sb.backend_ref is None:
+            return sb
+        offset = sb.metadata.get("egress_offset", 0)
+        start = offset if isinstance(offset, int) else 0
+        try:
+            events, nxt = await anyio.to_thread.run_sync(impl.network_events, sb.backend_ref, start)
+        except SandboxError:
+            return sb
+        if not events:
+            return sb
+        await self.gate.record_egress(sb.tenant, sb.id, events)
+        for _ in range(50):
+            try:
+                return await self._cas(sb, metadata={**sb.metadata, "egress_offset": nxt})
+            except Conflict:
+                sb = await self.store.get(sb.id)
+        return sb
+
     async def expose_port(
         self, sandbox_id: str, port: int, *, actor: Actor = LOCAL_ACTOR
     ) -> PortMapping:
@@ -1147,7 +1644,9 @@ class Manager:
             return result
 
     async def _cas(self, sb: SandboxInfo, **patch: object) -> SandboxInfo:
-        return await self.store.update(sb.id, sb.version, patch)
+        new = await self.store.update(sb.id, sb.version, patch)
+        self._recent[new.id] = (new, time.monotonic())
+        return new
 
     async def _begin(
         self, sb: SandboxInfo, allowed: set[SandboxStatus], to: SandboxStatus
@@ -1237,7 +1736,7 @@ class Manager:
 
     async def _channel(self, sb: SandboxInfo) -> Channel:
         cached = self._channels.get(sb.id)
-        if cached is not None and cached[0] == sb.backend_ref:
+        if cached is not None and cached[0] == sb.backend_ref and not cached[1].closed:
             return cached[1]
         if sb.backend_ref is None:
             msg = f"sandbox {sb.id} has no backend sandbox yet"
@@ -1275,14 +1774,65 @@ class Manager:
                 tail.feed(chunk)
         return tail.lines()
 
+    async def flush_receipts(self) -> None:
+        """Wait until every receipt of operations done so far is written."""
+        if self.gate is not None:
+            await self.gate.flush()
+
     async def aclose(self) -> None:
-        """Close channels, backends and the store."""
+        """Write pending receipts; close channels, backends and the store."""
+        if self.gate is not None:
+            await anyio.to_thread.run_sync(self.gate.close)
         for sid in list(self._channels):
             await self._drop_channel(sid)
         for impl in self._used.values():
             with contextlib.suppress(SandboxError):
                 await impl.aclose()
         await self.store.aclose()
+
+
+def _fresh(begun: Intent | _Replay | None) -> Intent | None:
+    """The intent to run (a replay has returned before this is asked)."""
+    assert not isinstance(begun, _Replay)
+    return begun
+
+
+def _stdin_identity(stdin: Stdin) -> JsonValue:
+    """What an idempotency key remembers of a command's input: a hash, or that it streamed."""
+    if stdin is None:
+        return None
+    if isinstance(stdin, bytes):
+        return "sha256:" + hashlib.sha256(stdin).hexdigest()
+    return "stream"
+
+
+def _encode_error(error: BaseException) -> str:
+    """An error as the journal records it, so a replay raises the same class."""
+    if isinstance(error, SandboxError):
+        return json.dumps(error.to_dict(), default=str)
+    return json.dumps({"code": "sandbox_error", "message": f"{type(error).__name__}: {error}"})
+
+
+def _replayed(intent: Intent) -> JsonValue:
+    """What a replay of ``intent`` returns, or raises what its first attempt raised."""
+    if intent.state in (IntentState.RESULT_RECORDED, IntentState.CLEANED):
+        return intent.result
+    if intent.state is IntentState.NEEDS_RECONCILE:
+        msg = (
+            f"the operation of this idempotency key needs an operator ({intent.error}); "
+            "see `sandlot doctor`"
+        )
+        raise InvalidState(msg, intent_id=intent.intent_id)
+    try:
+        data = json.loads(intent.error or "{}")
+    except ValueError:
+        data = {"message": intent.error}
+    if intent.state is IntentState.DENIED:
+        raise PolicyDenied(str(data.get("message") or intent.error or "denied by policy"))
+    details = data.get("details") if isinstance(data.get("details"), dict) else {}
+    raise error_from_code(
+        str(data.get("code", "sandbox_error")), str(data.get("message", "")), details
+    )
 
 
 def _snapshot_ref(snap: SnapshotInfo) -> SnapshotRef:

@@ -13,7 +13,6 @@ backends (the registry builds them).
 from __future__ import annotations
 
 import builtins
-import codecs
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -28,6 +27,7 @@ from sandlot.config import default_database_url
 from sandlot.config import home as resolve_home
 from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
 from sandlot.gate.gate import Approval, Gate
+from sandlot.journal import Journal, process_owner
 from sandlot.manager import Manager, ReconcileReport
 from sandlot.models import (
     LOCAL_ACTOR,
@@ -36,16 +36,17 @@ from sandlot.models import (
     ExecResult,
     FileInfo,
     JsonValue,
-    OutputChunk,
+    NetworkAllowlist,
+    NetworkPolicy,
     PortMapping,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
     SnapshotInfo,
-    parse_model,
 )
 from sandlot.policy import Explanation, PolicyConfig, load_engine
 from sandlot.receipts import KeyStore, Receipt, ReceiptLog
+from sandlot.shared import build_spec, split_output
 from sandlot.store.sql import SqlStore
 
 if TYPE_CHECKING:
@@ -80,52 +81,6 @@ def policy_config(
     else:
         paths = list(policy)
     return PolicyConfig(policy_paths=tuple(str(p) for p in paths))
-
-
-def build_spec(
-    spec: SandboxSpec | Mapping[str, object] | None, fields: Mapping[str, object]
-) -> SandboxSpec:
-    """A spec from a model or a dict, with keyword fields laid over it, validated."""
-    if spec is None:
-        base: dict[str, object] = {}
-    elif isinstance(spec, SandboxSpec):
-        base = spec.model_dump(exclude_unset=True)
-        if spec.git is not None and spec.git.auth:
-            base["git"] = {**spec.git.model_dump(exclude_unset=True), "auth": spec.git.auth}
-    else:
-        base = dict(spec)
-    return parse_model(SandboxSpec, {**base, **fields})
-
-
-def _split_output(
-    on_output: OutputCallback | None,
-    on_stdout: Callable[[str], object] | None,
-    on_stderr: Callable[[str], object] | None,
-) -> OutputCallback | None:
-    """One chunk callback feeding the raw callback and per-stream text callbacks.
-
-    Text is decoded incrementally, so a character split across two chunks arrives whole.
-    """
-    if on_stdout is None and on_stderr is None:
-        return on_output
-    decoders = {
-        "stdout": codecs.getincrementaldecoder("utf-8")(errors="replace"),
-        "stderr": codecs.getincrementaldecoder("utf-8")(errors="replace"),
-    }
-    text_callbacks = {"stdout": on_stdout, "stderr": on_stderr}
-
-    async def callback(chunk: OutputChunk) -> None:
-        if on_output is not None:
-            result = on_output(chunk)
-            if result is not None:
-                await result
-        text_cb = text_callbacks[chunk.stream]
-        if text_cb is not None:
-            text = decoders[chunk.stream].decode(chunk.data)
-            if text:
-                text_cb(text)
-
-    return callback
 
 
 @final
@@ -181,6 +136,7 @@ class AsyncSandbox:
         on_stderr: Callable[[str], object] | None = None,
         check: bool = False,
         auto_resume: bool = True,
+        idempotency_key: str | None = None,
     ) -> ExecResult:
         """Run a command to completion (a string runs under ``sh -c``; a list is an argv).
 
@@ -195,6 +151,8 @@ class AsyncSandbox:
             on_stderr: Called with standard error text as it arrives.
             check: Raise ``ExecFailed`` on a non-zero exit.
             auto_resume: Resume a stopped sandbox first (else ``InvalidState``).
+            idempotency_key: Run at most once under this key; a repeat returns the first
+                result (``Conflict`` if the key was used for another command).
 
         Returns:
             The exit code, the collected output and the duration.
@@ -207,9 +165,10 @@ class AsyncSandbox:
             env=env,
             timeout=timeout,
             stdin=stdin,
-            on_output=_split_output(on_output, on_stdout, on_stderr),
+            on_output=split_output(on_output, on_stdout, on_stderr),
             check=check,
             auto_resume=auto_resume,
+            idempotency_key=idempotency_key,
         )
 
     async def read_file(self, path: str) -> bytes:
@@ -222,17 +181,26 @@ class AsyncSandbox:
             yield chunk
 
     async def write_file(
-        self, path: str, data: bytes | str, *, mode: int | None = None
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        mode: int | None = None,
+        idempotency_key: str | None = None,
     ) -> FileInfo:
         """Create or replace a file (strings are written as UTF-8; parents are made)."""
         (info,) = await self._manager.write_files(
-            self.id, {path: data}, actor=self._actor, mode=mode
+            self.id, {path: data}, actor=self._actor, mode=mode, idempotency_key=idempotency_key
         )
         return info
 
-    async def write_files(self, files: Mapping[str, bytes | str]) -> builtins.list[FileInfo]:
+    async def write_files(
+        self, files: Mapping[str, bytes | str], *, idempotency_key: str | None = None
+    ) -> builtins.list[FileInfo]:
         """Create or replace several files."""
-        return await self._manager.write_files(self.id, files, actor=self._actor)
+        return await self._manager.write_files(
+            self.id, files, actor=self._actor, idempotency_key=idempotency_key
+        )
 
     async def list_files(self, path: str | None = None) -> builtins.list[FileInfo]:
         """A directory's entries (default: the workdir)."""
@@ -261,9 +229,11 @@ class AsyncSandbox:
         self.info = await self._manager.resume(self.id, actor=self._actor)
         return self.info
 
-    async def destroy(self) -> SandboxInfo:
+    async def destroy(self, *, idempotency_key: str | None = None) -> SandboxInfo:
         """Remove it for good (the record stays, hidden, with a death certificate)."""
-        self.info = await self._manager.destroy(self.id, actor=self._actor)
+        self.info = await self._manager.destroy(
+            self.id, actor=self._actor, idempotency_key=idempotency_key
+        )
         return self.info
 
     async def keep_alive(self, seconds: float) -> SandboxInfo:
@@ -294,6 +264,25 @@ class AsyncSandbox:
     async def list_ports(self) -> builtins.list[PortMapping]:
         """Published ports."""
         return await self._manager.list_ports(self.id, actor=self._actor)
+
+    async def reset(self, snapshot_id: str | None = None) -> SandboxInfo:
+        """Return to a snapshot (default: the state it was created in), verified; a failed
+        verification raises ``VerificationFailed`` naming what diverged."""
+        self.info = await self._manager.reset(self.id, snapshot_id, actor=self._actor)
+        return self.info
+
+    async def update_network(self, policy: NetworkPolicy | str) -> SandboxInfo:
+        """Change the egress policy (``"deny-all"``, ``"allow-all"`` or an allowlist)."""
+        self.info = await self._manager.update_network(self.id, policy, actor=self._actor)
+        return self.info
+
+    async def network_log(self) -> builtins.list[dict[str, JsonValue]]:
+        """Every egress decision the sandbox's proxy logged."""
+        return await self._manager.network_log(self.id, actor=self._actor)
+
+    async def suggest_network(self) -> NetworkAllowlist:
+        """The least-privilege allowlist covering what the sandbox connected to."""
+        return await self._manager.suggest_network(self.id, actor=self._actor)
 
     async def explain(self, action: str, **args: object) -> Explanation:
         """What the policy would decide about an operation here, and why (nothing runs).
@@ -357,7 +346,11 @@ class AsyncSandlot:
             on_deny=on_deny,
         )
         self.manager = Manager(
-            store, Backends(home_dir, extra=backends), default_backend=backend, gate=gate
+            store,
+            Backends(home_dir, extra=backends),
+            default_backend=backend,
+            gate=gate,
+            journal=Journal(store.engine, owner=process_owner()),
         )
 
     async def __aenter__(self) -> Self:
@@ -373,6 +366,7 @@ class AsyncSandlot:
 
     async def aclose(self) -> None:
         """Close connections (sandboxes keep running); sign a checkpoint of new receipts."""
+        await self.manager.flush_receipts()
         await anyio.to_thread.run_sync(self._final_checkpoint)
         await self.manager.aclose()
         self.receipts.close()
@@ -392,6 +386,7 @@ class AsyncSandlot:
         *,
         backend: str | None = None,
         on_setup_output: OutputCallback | None = None,
+        idempotency_key: str | None = None,
         **fields: object,
     ) -> AsyncSandbox:
         """Create a sandbox from a spec and/or spec fields (``image=``, ``setup=``, …).
@@ -402,7 +397,11 @@ class AsyncSandlot:
         """
         full = build_spec(spec, fields)
         info = await self.manager.create(
-            full, backend=backend, actor=self.actor, on_setup_output=on_setup_output
+            full,
+            backend=backend,
+            actor=self.actor,
+            on_setup_output=on_setup_output,
+            idempotency_key=idempotency_key,
         )
         return AsyncSandbox(self, info)
 

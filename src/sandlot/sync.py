@@ -11,10 +11,8 @@ for signature. Callbacks (``on_stdout``, …) are called on that loop's thread.
 
 from __future__ import annotations
 
-import asyncio
 import builtins
-import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, final
@@ -28,6 +26,8 @@ from sandlot.models import (
     ExecResult,
     FileInfo,
     JsonValue,
+    NetworkAllowlist,
+    NetworkPolicy,
     PortMapping,
     SandboxInfo,
     SandboxSpec,
@@ -37,6 +37,7 @@ from sandlot.models import (
 from sandlot.policy import Explanation
 from sandlot.receipts import ReceiptLog
 from sandlot.sdk import AsyncSandbox, AsyncSandlot
+from sandlot.shared import EventLoopThread
 
 if TYPE_CHECKING:
     from sandlot.backends.base import Backend
@@ -48,51 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["Sandbox", "Sandlot"]
 
 T = TypeVar("T")
-
-
-class _Loop:
-    """An asyncio loop on a daemon thread (a forgotten ``close()`` never hangs exit)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="sandlot-sdk", daemon=True
-        )
-        self.thread.start()
-
-    def run(self, coro: Coroutine[object, object, T]) -> T:
-        if threading.current_thread() is self.thread:
-            coro.close()
-            msg = "the sync SDK was called from one of its own callbacks; use the async SDK there"
-            raise RuntimeError(msg)
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
-        try:
-            while True:
-                try:
-                    yield self.run(_anext(agen))
-                except StopAsyncIteration:
-                    return
-        finally:
-            self.run(_aclose(agen))
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=5)
-        if not self.loop.is_running():
-            self.loop.close()
-
-
-async def _anext(agen: AsyncIterator[T]) -> T:
-    return await agen.__anext__()
-
-
-async def _aclose(agen: AsyncIterator[object]) -> None:
-    close = getattr(agen, "aclose", None)
-    if close is not None:
-        await close()
 
 
 @final
@@ -150,6 +106,7 @@ class Sandbox:
         on_stderr: Callable[[str], object] | None = None,
         check: bool = False,
         auto_resume: bool = True,
+        idempotency_key: str | None = None,
     ) -> ExecResult:
         """Run a command to completion; see :meth:`AsyncSandbox.exec`."""
         return self._loop.run(
@@ -164,6 +121,7 @@ class Sandbox:
                 on_stderr=on_stderr,
                 check=check,
                 auto_resume=auto_resume,
+                idempotency_key=idempotency_key,
             )
         )
 
@@ -175,13 +133,24 @@ class Sandbox:
         """A file's bytes in chunks."""
         return self._loop.iterate(self._async.stream_file(path))
 
-    def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> FileInfo:
+    def write_file(
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        mode: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> FileInfo:
         """Create or replace a file."""
-        return self._loop.run(self._async.write_file(path, data, mode=mode))
+        return self._loop.run(
+            self._async.write_file(path, data, mode=mode, idempotency_key=idempotency_key)
+        )
 
-    def write_files(self, files: Mapping[str, bytes | str]) -> builtins.list[FileInfo]:
+    def write_files(
+        self, files: Mapping[str, bytes | str], *, idempotency_key: str | None = None
+    ) -> builtins.list[FileInfo]:
         """Create or replace several files."""
-        return self._loop.run(self._async.write_files(files))
+        return self._loop.run(self._async.write_files(files, idempotency_key=idempotency_key))
 
     def list_files(self, path: str | None = None) -> builtins.list[FileInfo]:
         """A directory's entries (default: the workdir)."""
@@ -203,9 +172,9 @@ class Sandbox:
         """Boot it again."""
         return self._loop.run(self._async.resume())
 
-    def destroy(self) -> SandboxInfo:
+    def destroy(self, *, idempotency_key: str | None = None) -> SandboxInfo:
         """Remove it for good."""
-        return self._loop.run(self._async.destroy())
+        return self._loop.run(self._async.destroy(idempotency_key=idempotency_key))
 
     def keep_alive(self, seconds: float) -> SandboxInfo:
         """Push the time to live out."""
@@ -230,6 +199,22 @@ class Sandbox:
     def list_ports(self) -> builtins.list[PortMapping]:
         """Published ports."""
         return self._loop.run(self._async.list_ports())
+
+    def reset(self, snapshot_id: str | None = None) -> SandboxInfo:
+        """Return to a snapshot (default: as created), verified."""
+        return self._loop.run(self._async.reset(snapshot_id))
+
+    def update_network(self, policy: NetworkPolicy | str) -> SandboxInfo:
+        """Change the egress policy."""
+        return self._loop.run(self._async.update_network(policy))
+
+    def network_log(self) -> builtins.list[dict[str, JsonValue]]:
+        """Every egress decision the sandbox's proxy logged."""
+        return self._loop.run(self._async.network_log())
+
+    def suggest_network(self) -> NetworkAllowlist:
+        """The least-privilege allowlist covering what the sandbox connected to."""
+        return self._loop.run(self._async.suggest_network())
 
     def explain(self, action: str, **args: object) -> Explanation:
         """What the policy would decide about an operation here, and why (nothing runs)."""
@@ -258,7 +243,7 @@ class Sandlot:
         on_deny: Callable[[PolicyDenied], object] | None = None,
         on_receipt: Callable[[Receipt], None] | None = None,
     ) -> None:
-        self._loop = _Loop()
+        self._loop = EventLoopThread()
         options = {
             "backends": backends,
             "actor": actor,
@@ -302,11 +287,18 @@ class Sandlot:
         *,
         backend: str | None = None,
         on_setup_output: OutputCallback | None = None,
+        idempotency_key: str | None = None,
         **fields: object,
     ) -> Sandbox:
         """Create a sandbox; see :meth:`AsyncSandlot.create`."""
         handle = self._loop.run(
-            self._async.create(spec, backend=backend, on_setup_output=on_setup_output, **fields)
+            self._async.create(
+                spec,
+                backend=backend,
+                on_setup_output=on_setup_output,
+                idempotency_key=idempotency_key,
+                **fields,
+            )
         )
         return Sandbox(self, handle)
 

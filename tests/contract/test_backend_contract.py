@@ -22,10 +22,40 @@ def _fake(_: Path) -> Backend:
     return FakeBackend()
 
 
-BACKENDS: dict[str, Callable[[Path], Backend]] = {"fake": _fake}
+def _microvm(state: Path) -> Backend:
+    from sandlot.backends.microvm import MicrovmBackend, doctor
+
+    missing = [c for c in doctor() if not c.ok and c.name != "guest image"]
+    if missing:
+        pytest.skip(f"microvm needs: {'; '.join(f'{c.name} ({c.fix})' for c in missing)}")
+    return MicrovmBackend(state)
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+def _local(state: Path) -> Backend:
+    from sandlot.backends.local import LocalBackend
+    from sandlot.network.service import SandboxNetworks
+
+    backend = LocalBackend(state, networks=SandboxNetworks(state / "network"))
+    reason = backend.unavailable()
+    if reason:
+        pytest.skip(f"local backend unavailable: {reason}")
+    return backend
+
+
+BACKENDS: dict[str, Callable[[Path], Backend]] = {
+    "fake": _fake,
+    "local": _local,
+    "microvm": _microvm,
+}
+SLOW = {"microvm"}
+
+# Every backend can enforce "no network at all", so the contract uses it throughout.
+SPEC = SandboxSpec(network="deny-all")
+
+
+@pytest.fixture(
+    params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(BACKENDS)]
+)
 def backend_factory(request: pytest.FixtureRequest) -> Callable[[Path], Backend]:
     return BACKENDS[request.param]
 
@@ -43,7 +73,7 @@ async def backend(
 
 async def test_lifecycle_keeps_files_across_stop(backend: Backend) -> None:
     sid = new_id("sb")
-    spec = SandboxSpec()
+    spec = SPEC
     ref = await backend.create(sid, spec)
     assert (await backend.inspect(ref)).state == "running"
     assert (await backend.list_owned()).get(sid) == ref
@@ -70,14 +100,14 @@ async def test_lifecycle_keeps_files_across_stop(backend: Backend) -> None:
 
 async def test_create_is_idempotent_per_sandbox_id(backend: Backend) -> None:
     sid = new_id("sb")
-    ref = await backend.create(sid, SandboxSpec())
-    again = await backend.create(sid, SandboxSpec())
+    ref = await backend.create(sid, SPEC)
+    again = await backend.create(sid, SPEC)
     assert again == ref
     assert list((await backend.list_owned()).items()).count((sid, ref)) == 1
 
 
 async def test_channel_files(backend: Backend) -> None:
-    ref = await backend.create(new_id("sb"), SandboxSpec())
+    ref = await backend.create(new_id("sb"), SPEC)
     channel = await backend.channel(ref)
     payload = bytes(range(256)) * 4096
     info = await channel.write_file("/workspace/dir/blob.bin", payload, mode=0o600)
@@ -100,11 +130,13 @@ async def test_snapshot_restore_and_fork_when_supported(backend: Backend) -> Non
     caps = backend.capabilities()
     if not caps.snapshot:
         pytest.skip(f"{backend.name} does not claim snapshots")
-    spec = SandboxSpec()
+    spec = SPEC
     ref = await backend.create(new_id("sb"), spec)
     channel = await backend.channel(ref)
     await channel.write_file("/workspace/v.txt", b"one")
     snap = await backend.snapshot(ref, new_id("snap"))
+    if channel.closed:
+        channel = await backend.channel(ref)
     await channel.write_file("/workspace/v.txt", b"two")
     await channel.close()
     await backend.restore(ref, snap, spec)

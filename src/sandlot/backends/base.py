@@ -15,13 +15,20 @@ retried ``create`` after a crash finds what the first attempt made instead of ma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from sandlot.channel.base import Channel
-    from sandlot.models import JsonValue, PortMapping, SandboxSpec
+    from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping, SandboxSpec
 
-__all__ = ["Backend", "BackendState", "Capabilities", "DoctorCheck", "SnapshotRef"]
+__all__ = [
+    "Backend",
+    "BackendState",
+    "Capabilities",
+    "DoctorCheck",
+    "NetworkControl",
+    "SnapshotRef",
+]
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,8 @@ class Capabilities:
     """``expose_port`` works."""
     images: bool = False
     """``spec.image`` is honoured."""
+    reset: bool = False
+    """``reset`` works (back to a snapshot or the baseline, verified)."""
     isolation: str = "none"
     """A word on the isolation boundary (``none``, ``namespaces``, ``gvisor``, ``vm``)."""
 
@@ -74,6 +83,8 @@ class DoctorCheck:
     """What was found (a version, the exact error)."""
     fix: str = ""
     """How to fix it, when not ok (a command to run)."""
+    required: bool = True
+    """False for what only an optional feature needs (the backend is usable without it)."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +142,8 @@ class Backend(Protocol):
         ...
 
     async def snapshot(self, ref: str, snapshot_id: str) -> SnapshotRef:
-        """Save the sandbox's state (``NotSupported`` where it cannot)."""
+        """Save the sandbox's state (``NotSupported`` where it cannot). Channels handed out
+        earlier may be closed by it (see :attr:`Channel.closed`)."""
         ...
 
     async def restore(self, ref: str, snapshot: SnapshotRef, spec: SandboxSpec) -> None:
@@ -144,6 +156,18 @@ class Backend(Protocol):
         """Make one new sandbox per id from a snapshot; their refs, in order."""
         ...
 
+    async def reset(
+        self, ref: str, snapshot: SnapshotRef | None, spec: SandboxSpec
+    ) -> dict[str, JsonValue]:
+        """Return the sandbox to ``snapshot`` (None: its baseline, the state right after it was
+        created), check that it really is in that state, and boot it.
+
+        Returns the verification report (which sources were checked, expected and found).
+        Raises ``VerificationFailed`` naming the sources that diverged (the sandbox is then
+        left as it is, for inspection), ``NotSupported`` where the backend cannot reset.
+        """
+        ...
+
     async def delete_snapshot(self, snapshot: SnapshotRef) -> None:
         """Remove a snapshot's data; a missing one is not an error."""
         ...
@@ -154,4 +178,21 @@ class Backend(Protocol):
 
     async def aclose(self) -> None:
         """Release what the backend object holds (not the sandboxes)."""
+        ...
+
+
+@runtime_checkable
+class NetworkControl(Protocol):
+    """What a backend that enforces egress policy offers beyond :class:`Backend`."""
+
+    async def update_network(self, ref: str, policy: NetworkPolicy) -> None:
+        """Change a sandbox's policy; new connections follow it within a second."""
+        ...
+
+    def network_events(self, ref: str, offset: int = 0) -> tuple[list[dict[str, JsonValue]], int]:
+        """Egress decisions logged since ``offset``, as JSON objects, and the next offset."""
+        ...
+
+    def suggest_network(self, ref: str) -> NetworkAllowlist:
+        """The least-privilege allowlist covering the connections the sandbox made."""
         ...

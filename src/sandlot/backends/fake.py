@@ -13,6 +13,7 @@ can be tried on the fake backend. This module must not import the store or the M
 from __future__ import annotations
 
 import base64
+import hashlib
 import inspect
 import json
 import posixpath
@@ -31,6 +32,9 @@ from sandlot.errors import BackendError, InvalidRequest, NotFound, SandboxTimeou
 from sandlot.models import (
     ExecResult,
     FileInfo,
+    JsonValue,
+    NetworkAllowlist,
+    NetworkPolicy,
     OutputChunk,
     PortMapping,
     ProcessInfo,
@@ -82,6 +86,8 @@ class FakeSandbox:
     processes: dict[str, ProcessInfo] = field(default_factory=dict)
     process_output: dict[str, list[OutputChunk]] = field(default_factory=dict)
     boots: int = 0
+    baseline: dict[str, bytes] = field(default_factory=dict)
+    egress: list[dict[str, JsonValue]] = field(default_factory=list)
 
     def append_log(self, path: str, data: bytes) -> None:
         """Append to a file (the main process log)."""
@@ -144,6 +150,7 @@ _ALL_CAPABILITIES = Capabilities(
     fork=True,
     ports=True,
     images=True,
+    reset=True,
     isolation="none",
 )
 
@@ -217,6 +224,18 @@ class FakeBackend:
         self._get(_ref_for(sandbox_id)).append_log(MAIN_LOG, text.encode())
         self._save()
 
+    def emit_egress(self, sandbox_id: str, host: str, *, allowed: bool, port: int = 443) -> None:
+        """Log an egress decision as the egress proxy of a real backend would."""
+        self._get(_ref_for(sandbox_id)).egress.append(
+            {
+                "host": host,
+                "port": port,
+                "decision": "allow" if allowed else "deny",
+                "reason": "OK" if allowed else "NOT_ALLOWED",
+                "time": time.time(),
+            }
+        )
+
     def adopt_orphan(self, sandbox_id: str, spec: SandboxSpec | None = None) -> str:
         """Make a sandbox the runtime has but no record knows about (for reconcile tests)."""
         ref = _ref_for(sandbox_id)
@@ -240,6 +259,7 @@ class FakeBackend:
             sb = FakeSandbox(ref=ref, sandbox_id=sandbox_id, spec=spec)
             sb.dirs.add(spec.workdir)
             sb._parents(spec.workdir)
+            sb.baseline = dict(sb.files)
             self.sandboxes[ref] = sb
         self.sandboxes[ref].boots += 1
         self._save()
@@ -335,6 +355,46 @@ class FakeBackend:
         self._save()
         return refs
 
+    async def reset(
+        self, ref: str, snapshot: SnapshotRef | None, spec: SandboxSpec
+    ) -> dict[str, JsonValue]:
+        """Put the files back to the snapshot (or as created) and 'verify' them."""
+        self._record(ref, "reset", snapshot=None if snapshot is None else snapshot.ref)
+        sb = self._get(ref)
+        if snapshot is not None:
+            self._apply_snapshot(sb, snapshot)
+        else:
+            sb.files = dict(sb.baseline)
+        sb.state = "running"
+        sb.processes.clear()
+        self._save()
+        digest = hashlib.sha256(
+            json.dumps(sorted((p, d.hex()) for p, d in sb.files.items())).encode()
+        )
+        return {"ok": True, "checks": [{"source": "files", "found": digest.hexdigest()}]}
+
+    async def update_network(self, ref: str, policy: NetworkPolicy) -> None:
+        """Record the new policy."""
+        self._record(
+            ref,
+            "update_network",
+            policy=policy if isinstance(policy, str) else policy.model_dump(mode="json"),
+        )
+        sb = self._get(ref)
+        sb.spec = sb.spec.model_copy(update={"network": policy})
+
+    def network_events(self, ref: str, offset: int = 0) -> tuple[list[dict[str, JsonValue]], int]:
+        """Egress events emitted with :meth:`emit_egress`, from index ``offset``."""
+        events = self._get(ref).egress
+        return list(events[offset:]), len(events)
+
+    def suggest_network(self, ref: str) -> NetworkAllowlist:
+        """The domains of the allowed egress events."""
+        hosts = sorted(
+            {str(e["host"]) for e in self._get(ref).egress if e.get("decision") == "allow"}
+        )
+        return NetworkAllowlist(allow_domains=hosts)
+
     async def delete_snapshot(self, snapshot: SnapshotRef) -> None:
         """Forget a snapshot."""
         self._record(None, "delete_snapshot", snapshot=snapshot.ref)
@@ -374,6 +434,9 @@ class FakeBackend:
             raise error
 
     def _get(self, ref: str) -> FakeSandbox:
+        # With a state file the fake stands for a runtime shared by processes: see what the
+        # others did before answering.
+        self._load()
         sb = self.sandboxes.get(ref)
         if sb is None:
             msg = f"fake sandbox {ref} does not exist"
@@ -466,6 +529,12 @@ class FakeChannel:
         self._backend = backend
         self._ref = ref
         self._next_pid = 100
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True after ``close()``."""
+        return self._closed
 
     async def exec(
         self,
@@ -675,7 +744,8 @@ class FakeChannel:
             await anyio.sleep(0.05)
 
     async def close(self) -> None:
-        """Nothing to release."""
+        """Mark the channel closed."""
+        self._closed = True
 
     def _process(self, sb: FakeSandbox, process_id: str) -> ProcessInfo:
         p = sb.processes.get(process_id)

@@ -29,17 +29,17 @@ def _fake(home: Path) -> Backend:
 
 
 def _local(home: Path) -> Backend:
-    from sandlot.backends.local import LocalBackend  # type: ignore[import-not-found,attr-defined,unused-ignore]
+    from sandlot.backends.local import LocalBackend
+    from sandlot.network.service import SandboxNetworks
 
-    backend: Backend = LocalBackend(backend_dir(home, "local"))
-    return backend
+    state = backend_dir(home, "local")
+    return LocalBackend(state, networks=SandboxNetworks(state / "network"))
 
 
 def _microvm(home: Path) -> Backend:
-    from sandlot.backends.microvm import MicrovmBackend  # type: ignore[import-not-found,attr-defined,unused-ignore]
+    from sandlot.backends.microvm import MicrovmBackend
 
-    backend: Backend = MicrovmBackend(backend_dir(home, "microvm"))
-    return backend
+    return MicrovmBackend(backend_dir(home, "microvm"))
 
 
 _FACTORIES: dict[str, Callable[[Path], Backend]] = {

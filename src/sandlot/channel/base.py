@@ -58,7 +58,16 @@ class PtySession(Protocol):
 
 
 class Channel(Protocol):
-    """Commands, processes, terminals and files of one running sandbox."""
+    """Commands, processes, terminals and files of one running sandbox.
+
+    A channel can go stale behind its holder's back (the sandbox stopped, a microVM snapshot
+    closed the connection); ``closed`` says so, and the holder asks the backend for a new one.
+    """
+
+    @property
+    def closed(self) -> bool:
+        """True once the channel can no longer be used."""
+        ...
 
     async def exec(
         self,

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn, TypeVar
+from typing import Annotated, NoReturn, TypeVar, cast
 
 import anyio
 import anyio.to_thread
@@ -76,6 +76,13 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+KeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--idempotency-key",
+        help="Retry-safe key: a repeat with the same request returns the first outcome.",
+    ),
+]
 IdArg = Annotated[str, typer.Argument(help="Sandbox id.", show_default=False)]
 
 
@@ -161,6 +168,12 @@ def _run(as_json: bool, body: Callable[[AsyncSandlot], Awaitable[T]]) -> T:
     """Run ``body`` with a client, turning sandlot errors into one line and exit code 1."""
 
     async def main() -> T:
+        if os.environ.get("SANDLOT_URL"):
+            from sandlot.client import AsyncClient
+
+            # The HTTP client offers AsyncSandlot's surface method for method (a test checks).
+            async with AsyncClient(os.environ["SANDLOT_URL"]) as remote:
+                return await body(cast("AsyncSandlot", remote))
         async with AsyncSandlot(_settings.home, _settings.backend, _settings.database) as client:
             return await body(client)
 
@@ -304,6 +317,7 @@ def create(
     git_auth: GitAuthOpt = None,
     option: OptionOpt = None,
     spec: SpecOpt = None,
+    idempotency_key: KeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Create a sandbox: clone --git, run --setup, launch --start; print its id."""
@@ -317,7 +331,11 @@ def create(
             sys.stderr.buffer.write(chunk.data)
             sys.stderr.buffer.flush()
 
-        handle = await client.create(full, on_setup_output=None if as_json else show_setup)
+        handle = await client.create(
+            full,
+            on_setup_output=None if as_json else show_setup,
+            idempotency_key=idempotency_key,
+        )
         return handle.info
 
     info = _run(as_json, body)
@@ -412,6 +430,7 @@ def exec(
     no_resume: Annotated[
         bool, typer.Option("--no-resume", help="Fail instead of resuming a stopped sandbox.")
     ] = False,
+    idempotency_key: KeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Run a command in a sandbox, streaming its output; exit with its exit code."""
@@ -426,6 +445,7 @@ def exec(
             stdin=_stdin_chunks() if _wants_stdin(stdin) else None,
             on_output=None if as_json else (lambda c: _write(c.stream, c.data)),
             auto_resume=not no_resume,
+            idempotency_key=idempotency_key,
         )
         if as_json:
             _print_json(result)
@@ -533,6 +553,7 @@ def write_file(
     mode: Annotated[
         str | None, typer.Option("--mode", help="Permission bits in octal, e.g. 755.")
     ] = None,
+    idempotency_key: KeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a file into a sandbox from a host file or standard input."""
@@ -552,7 +573,7 @@ def write_file(
             msg = f"--mode must be octal, got {mode!r}"
             raise InvalidRequest(msg) from None
         handle = await client.get(sandbox_id)
-        return await handle.write_file(path, data, mode=bits)
+        return await handle.write_file(path, data, mode=bits, idempotency_key=idempotency_key)
 
     info = _run(as_json, body)
     if as_json:
@@ -647,13 +668,49 @@ async def _resume(client: AsyncSandlot, sandbox_id: str) -> SandboxInfo:
     return await (await client.get(sandbox_id)).resume()
 
 
-async def _destroy(client: AsyncSandlot, sandbox_id: str) -> SandboxInfo:
-    return await (await client.get(sandbox_id)).destroy()
-
-
 _simple("stop", "Stop a sandbox's processes; its filesystem stays.", _stop)
 _simple("resume", "Boot a stopped (or failed) sandbox again.", _resume)
-_simple("destroy", "Destroy a sandbox (its record stays, with the cause).", _destroy)
+
+
+@app.command()
+def destroy(sandbox_id: IdArg, idempotency_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Destroy a sandbox (its record stays, with the cause)."""
+
+    async def body(client: AsyncSandlot) -> SandboxInfo:
+        return await (await client.get(sandbox_id)).destroy(idempotency_key=idempotency_key)
+
+    info = _run(as_json, body)
+    if as_json:
+        _print_json(info)
+    else:
+        out.print(f"{info.id} {_status(info)}")
+
+
+@app.command()
+def reset(
+    sandbox_id: IdArg,
+    snapshot_id: Annotated[
+        str | None,
+        typer.Option(
+            "--snapshot", help="Reset to this snapshot (default: the state it was created in)."
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Return a sandbox to a snapshot and verify it; exit 1 naming what diverged if not."""
+
+    async def body(client: AsyncSandlot) -> SandboxInfo:
+        return await (await client.get(sandbox_id)).reset(snapshot_id)
+
+    info = _run(as_json, body)
+    if as_json:
+        _print_json(info)
+    else:
+        report = info.metadata.get("verification")
+        checks = report.get("checks", []) if isinstance(report, dict) else []
+        out.print(
+            f"{info.id} {_status(info)} (verified: {len(checks) if isinstance(checks, list) else 0} checks)"
+        )
 
 
 @app.command("keep-alive")
@@ -824,4 +881,3 @@ def main() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         raise SystemExit(0) from None
-

@@ -54,6 +54,7 @@ def _general(home_arg: Path | None, database: str | None) -> list[DoctorCheck]:
             conn.execute(text("SELECT 1"))
         engine.dispose()
         checks.append(DoctorCheck("database", True, _redact(url)))
+        checks.append(_reconcile_check(url))
     except (SandboxError, Exception) as e:
         checks.append(
             DoctorCheck(
@@ -61,6 +62,34 @@ def _general(home_arg: Path | None, database: str | None) -> list[DoctorCheck]:
             )
         )
     return checks
+
+
+def _reconcile_check(url: str) -> DoctorCheck:
+    """Operations the journal could not settle after a crash (an operator must look)."""
+    from sandlot.journal import IntentState, Journal, process_owner
+    from sandlot.store.sql import SqlStore
+
+    store = SqlStore(url)
+    try:
+        store.ensure_schema()
+        stuck = Journal(store.engine, owner=process_owner()).list(
+            states=[IntentState.NEEDS_RECONCILE.value]
+        )
+    except SandboxError as e:
+        return DoctorCheck("journal", False, str(e), "check the database")
+    finally:
+        store.engine.dispose()
+    if not stuck:
+        return DoctorCheck("journal", True, "no operation needs reconciling")
+    detail = "; ".join(
+        f"{i.op} {i.sandbox_id or ''} ({i.error or 'no detail'})".strip() for i in stuck[:5]
+    )
+    return DoctorCheck(
+        f"journal: {len(stuck)} operation(s) NEEDS_RECONCILE",
+        False,
+        detail,
+        "check the backend for each sandbox named, then `sandlot reconcile`",
+    )
 
 
 def _redact(url: str) -> str:
@@ -81,7 +110,9 @@ def _backend_checks(name: str) -> list[DoctorCheck]:
     if probe is None:
         return [DoctorCheck(name, False, "this backend offers no self-check", "")]
     try:
-        return [DoctorCheck(f"{name}: {c.name}", c.ok, c.detail, c.fix) for c in probe()]
+        return [
+            DoctorCheck(f"{name}: {c.name}", c.ok, c.detail, c.fix, c.required) for c in probe()
+        ]
     except Exception as e:
         return [DoctorCheck(name, False, f"self-check crashed: {e!r}", "report a bug")]
 
@@ -138,7 +169,11 @@ def run_doctor(home: Path | None, database: str | None, *, as_json: bool, consol
         console.print(f"[bold]{title}[/bold]{verdict}")
         table = Table.grid(padding=(0, 2))
         for c in checks:
-            mark = "[green]ok[/green]" if c.ok else "[red]no[/red]"
+            mark = (
+                "[green]ok[/green]"
+                if c.ok
+                else ("[red]no[/red]" if c.required else "[yellow]--[/yellow]")
+            )
             table.add_row(f"  {mark}", c.name, c.detail)
             if not c.ok and c.fix:
                 table.add_row("", "", f"[yellow]fix:[/yellow] {c.fix}")

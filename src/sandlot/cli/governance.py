@@ -18,6 +18,7 @@ import typer
 
 from sandlot.cli.app import JsonOpt, _print_json, _run, _settings, app, err, out
 from sandlot.errors import InvalidRequest, SandboxError
+from sandlot.journal import Journal, process_owner
 from sandlot.receipts import (
     KeyStore,
     ReceiptLog,
@@ -29,7 +30,7 @@ from sandlot.receipts import (
 from sandlot.sdk import AsyncSandlot, database_url
 from sandlot.store.sql import SqlStore
 
-__all__ = ["approvals_app", "keys_app", "policy_app", "receipts_app"]
+__all__ = ["approvals_app", "intents_app", "keys_app", "policy_app", "receipts_app"]
 
 receipts_app = typer.Typer(
     help="Signed receipts: export, tail, verify offline, prove inclusion.", no_args_is_help=True
@@ -356,3 +357,86 @@ def explain(
         _print_json(explanation.to_dict())  # type: ignore[attr-defined]
     else:
         print(explanation.render())  # type: ignore[attr-defined]
+
+
+# -- intents (the journal) --------------------------------------------------------------------
+
+intents_app = typer.Typer(
+    help="Operations recorded with idempotency keys: list them, resolve NEEDS_RECONCILE ones.",
+    no_args_is_help=True,
+)
+app.add_typer(intents_app, name="intents")
+
+
+@contextmanager
+def _journal(as_json: bool = False) -> Iterator[Journal]:
+    from sandlot.config import home as resolve_home
+
+    try:
+        store = SqlStore(database_url(_settings.database, resolve_home(_settings.home)))
+        store.ensure_schema()
+    except SandboxError as e:
+        raise _fail(e.message, 1, as_json) from None
+    try:
+        yield Journal(store.engine, owner=process_owner())
+    except SandboxError as e:
+        raise _fail(e.message, 1, as_json) from None
+    finally:
+        store.engine.dispose()
+
+
+@intents_app.command("list")
+def intents_list(
+    state: Annotated[
+        list[str] | None, typer.Option("--state", help="Only these states (repeatable).")
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1)] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """Recorded operations, newest first (NEEDS_RECONCILE ones wait for an operator)."""
+    with _journal(as_json) as journal:
+        items = journal.list(states=state or None, limit=limit)
+    if as_json:
+        _print_json(
+            [
+                {
+                    "intent_id": i.intent_id,
+                    "op": i.op,
+                    "state": i.state.value,
+                    "sandbox_id": i.sandbox_id,
+                    "idempotency_key": i.idempotency_key,
+                    "error": i.error,
+                    "updated_at": i.updated_at.isoformat(),
+                }
+                for i in items
+            ]
+        )
+        return
+    if not items:
+        err.print("no recorded operations")
+    for i in items:
+        out.print(
+            f"{i.intent_id[:19]}  {i.state.value:<16} {i.op:<15} {i.sandbox_id or '-':<16} {i.error or ''}"
+        )
+
+
+@intents_app.command("resolve")
+def intents_resolve(
+    intent_id: Annotated[str, typer.Argument(help="The intent (sha256:…).")],
+    cleaned: Annotated[
+        bool,
+        typer.Option(
+            "--cleaned/--failed",
+            help="Its resource is gone (cleaned) or never existed / must be forgotten (failed).",
+        ),
+    ],
+    note: Annotated[str, typer.Option("--note", help="What you found on the backend.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Settle a NEEDS_RECONCILE operation after checking the backend by hand."""
+    with _journal(as_json) as journal:
+        intent = journal.resolve(intent_id, outcome="CLEANED" if cleaned else "FAILED", note=note)
+    if as_json:
+        _print_json({"intent_id": intent.intent_id, "state": intent.state.value})
+    else:
+        out.print(f"{intent.intent_id} {intent.state.value}")

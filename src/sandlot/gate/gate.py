@@ -16,6 +16,9 @@ backends or front ends.
 from __future__ import annotations
 
 import hashlib
+import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ import anyio
 import anyio.to_thread
 from sqlalchemy import Connection, Engine, and_, insert, select, update
 
-from sandlot.errors import Conflict, InvalidRequest, NotFound, PolicyDenied
+from sandlot.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, SandboxError
 from sandlot.gate.schema import approvals
 from sandlot.models import Actor, JsonValue, new_id
 from sandlot.policy import (
@@ -87,6 +90,73 @@ class Approval:
         return dict(self.__dict__.items())
 
 
+_LINGER = 0.02
+"""Seconds the receipt writer waits for more receipts before committing a batch."""
+
+
+class _ReceiptWriter:
+    """Appends execution receipts on a daemon thread, as many per transaction as are waiting.
+
+    Decision receipts are never written here: they must be durable before anything runs, so
+    the gate writes them itself and waits.
+    """
+
+    def __init__(self, log: ReceiptLog) -> None:
+        self._log = log
+        self._queue: queue.Queue[Entry | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, entry: Entry) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="sandlot-receipts", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(entry)
+
+    def flush(self) -> None:
+        if self._thread is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            # Linger a moment so a burst of operations shares one transaction, and the writer
+            # rarely contends with the decision receipts on the caller's path.
+            time.sleep(_LINGER)
+            batch = [first]
+            while len(batch) < 500:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            entries = [e for e in batch if e is not None]
+            try:
+                if entries:
+                    self._log.append_many(entries)
+                    self._log.maybe_checkpoint()
+            except SandboxError as e:
+                # The operations already ran; losing their execution receipts is reported,
+                # never silent (their decision receipts are in the log).
+                logging.getLogger("sandlot").error(
+                    "could not write %d execution receipts: %s", len(entries), e
+                )
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if None in batch:
+                return
+
+
 def _summary(request: PolicyRequest) -> str:
     ctx = request.context
     for key in ("raw", "path", "port", "snapshot_id"):
@@ -122,7 +192,7 @@ class Gate:
         self.db = db
         self.hold_timeout = hold_timeout
         self.on_deny = on_deny
-        self._policy_ref_cache: tuple[str, PolicyRef] | None = None
+        self._writer = _ReceiptWriter(log)
 
     def request(
         self, actor: Actor, action: str, resource: Resource, args: Mapping[str, object]
@@ -185,8 +255,13 @@ class Gate:
         exit_code: int | None = None,
         error: str | None = None,
         detail: Mapping[str, JsonValue] | None = None,
-    ) -> Receipt:
-        """Record what the authorized operation did (its output's hash, its exit code)."""
+    ) -> None:
+        """Record what the authorized operation did (its output's hash, its exit code).
+
+        The execution receipt is written by a background writer, in batches, so the caller
+        does not wait for a second commit; :meth:`flush` waits until everything submitted is
+        durable (the SDK flushes when it closes).
+        """
         extra: dict[str, JsonValue] = dict(detail or {})
         if error is not None:
             extra["error"] = error[:1000]
@@ -196,12 +271,36 @@ class Gate:
             exit_code=exit_code,
             detail=extra or None,
         )
-        return await anyio.to_thread.run_sync(self._append_and_checkpoint, entry)
+        self._writer.submit(entry)
 
-    def _append_and_checkpoint(self, entry: Entry) -> Receipt:
-        receipt = self.log.append(entry)
-        self.log.maybe_checkpoint()
-        return receipt
+    async def flush(self) -> None:
+        """Wait until every execution receipt submitted so far is written."""
+        await anyio.to_thread.run_sync(self._writer.flush)
+
+    def close(self) -> None:
+        """Write what is pending and stop the background writer."""
+        self._writer.close()
+
+    async def record_egress(
+        self, tenant: str, sandbox_id: str, events: list[dict[str, JsonValue]]
+    ) -> None:
+        """Record egress decisions the sandbox's proxy took as ``network.egress`` receipts."""
+        entries = [
+            Entry(
+                type="network.egress",
+                op="network.egress",
+                tenant=tenant,
+                principal="system:egress-proxy",
+                sandbox_id=sandbox_id,
+                decision=ReceiptDecision.ALLOW
+                if e.get("decision") == "allow"
+                else ReceiptDecision.DENY,
+                reason_code=str(e.get("reason", "")) or None,
+                detail=e,
+            )
+            for e in events
+        ]
+        await anyio.to_thread.run_sync(self.log.append_many, entries)
 
     def _policy_ref(self, decision: Decision) -> PolicyRef:
         return PolicyRef(

@@ -6,6 +6,14 @@ the rule sets for each policy kind. It drives ``ip`` and ``nft`` as subprocesses
 and keeps no state of its own: :mod:`sandlot.network.service` decides and records. Imports
 nothing from sandlot but :mod:`sandlot.errors` and :mod:`sandlot.network.policy`.
 
+Named namespaces are made and removed in-process, the way ``ip netns add``/``delete`` does it
+(a namespace file under ``/run/netns`` bind-mounted from ``/proc/thread-self/ns/net``, that
+directory a shared mount so other mount namespaces see it): every sandbox boot needs one, and
+two ``ip`` runs cost about 6 ms of CPU on our machines against 0.3 ms here. The work happens on a
+short-lived thread of its own, because a thread that unshared its network namespace must never
+go back to a pool where other code would open sockets in the sandbox's namespace. ``ip`` is the
+fallback where that fails.
+
 Rules in force per kind (the sandbox side is ``eth0`` inside the namespace):
 
 - ``deny-all``: no veth at all; the namespace has only ``lo``. No route to anything.
@@ -21,12 +29,21 @@ Rules in force per kind (the sandbox side is ``eth0`` inside the namespace):
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import fcntl
 import hashlib
 import ipaddress
 import json
+import os
 import re
 import shutil
+import socket
+import struct
 import subprocess
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,17 +157,146 @@ def netns_exists(name: str) -> bool:
     return (NETNS_DIR / name).exists()
 
 
+_CLONE_NEWNET = 0x40000000
+_MS_BIND = 0x1000
+_MS_REC = 0x4000
+_MS_SHARED = 1 << 20
+_MNT_DETACH = 2
+_SIOCGIFFLAGS = 0x8913
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP = 0x1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def _ok(ret: int, what: str) -> None:
+    """Raise the C library's errno as an OSError when ``ret`` says a call failed."""
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _on_own_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a new thread that ends with it (see the module docstring) and re-raise."""
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # handed to the caller
+            failure.append(e)
+
+    t = threading.Thread(target=target, name="sandlot-netns", daemon=True)
+    t.start()
+    t.join()
+    if failure:
+        raise failure[0]
+
+
+def _lo_up() -> None:
+    """Bring ``lo`` up in the calling thread's network namespace."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req))[1]
+        if not flags & _IFF_UP:
+            fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
+
+
+def _make_run_dir_shared() -> None:
+    # As ip(8) does: /run/netns is a shared mount of itself, so a namespace file mounted in it
+    # later appears in every mount namespace that has a copy of it.
+    NETNS_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+    path = os.fsencode(NETNS_DIR)
+    ret = _libc.mount(b"", path, b"none", _MS_SHARED | _MS_REC, None)
+    if ret == 0:
+        return
+    if ctypes.get_errno() != errno.EINVAL:
+        _ok(ret, f"mount --make-rshared {NETNS_DIR}")
+    _ok(_libc.mount(path, path, b"none", _MS_BIND | _MS_REC, None), f"mount --rbind {NETNS_DIR}")
+    _ok(
+        _libc.mount(b"", path, b"none", _MS_SHARED | _MS_REC, None),
+        f"mount --make-rshared {NETNS_DIR}",
+    )
+
+
+def _add_netns_inproc(name: str) -> None:
+    _make_run_dir_shared()
+    target = NETNS_DIR / name
+    fd = os.open(target, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
+    os.close(fd)
+
+    def work() -> None:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _ok(_libc.unshare(_CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+            _lo_up()
+            src = os.fsencode(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/ns/net")
+            _ok(_libc.mount(src, os.fsencode(target), b"none", _MS_BIND, None), f"bind {target}")
+        finally:
+            # Best effort: the thread ends right after, taking its namespace reference along.
+            _libc.setns(home, _CLONE_NEWNET)
+            os.close(home)
+
+    try:
+        _on_own_thread(work)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            target.unlink()
+        raise
+
+
+def _lo_up_in(name: str) -> None:
+    def work() -> None:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        ns = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _ok(_libc.setns(ns, _CLONE_NEWNET), f"setns({name})")
+            _lo_up()
+        finally:
+            _libc.setns(home, _CLONE_NEWNET)
+            os.close(ns)
+            os.close(home)
+
+    _on_own_thread(work)
+
+
 def create_netns(name: str) -> None:
     """Create a named namespace with ``lo`` up (an existing one is kept)."""
     if not netns_exists(name):
-        _run(["ip", "netns", "add", name], ok_errors=("File exists",))
-    _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        try:
+            _add_netns_inproc(name)
+            return
+        except FileExistsError:
+            pass  # made meanwhile by someone else: bring its lo up below
+        except OSError:
+            _run(["ip", "netns", "add", name], ok_errors=("File exists",))
+    try:
+        _lo_up_in(name)
+    except OSError:
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
 
 
 def delete_netns(name: str) -> None:
     """Delete a named namespace (missing is fine)."""
-    if netns_exists(name):
+    if not netns_exists(name):
+        return
+    target = NETNS_DIR / name
+    # Lazily, as ip(8) does: a sandbox still starting may hold it; it goes with the last user.
+    if _libc.umount2(os.fsencode(target), _MNT_DETACH) != 0 and ctypes.get_errno() not in (
+        errno.EINVAL,
+        errno.ENOENT,
+    ):
         _run(["ip", "netns", "delete", name], ok_errors=("No such file",))
+        return
+    with contextlib.suppress(FileNotFoundError):
+        target.unlink()
 
 
 def link_exists(name: str) -> bool:

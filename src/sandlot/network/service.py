@@ -246,6 +246,8 @@ class SandboxNetworks:
         kind = _kind(policy)
         with self._locked():
             prior = self._load(sandbox_id)
+            # Read before ``st`` (the same dict) takes the new policy.
+            prior_policy = prior.get("policy") if prior is not None else None
             st = prior or {"sandbox_id": sandbox_id, "ports": []}
             st.update(
                 netns=names.netns,
@@ -256,7 +258,7 @@ class SandboxNetworks:
             netns.create_netns(names.netns)
             if kind == "deny-all":
                 # A fresh deny-all sandbox has nothing to remove; skip the nft run (~10 ms).
-                if prior is not None and prior.get("policy") != "deny-all":
+                if prior is not None and prior_policy != "deny-all":
                     netns.delete_table(names.table)
                 netns.delete_link(names.host_if)
                 st["proxy"] = None
@@ -287,10 +289,14 @@ class SandboxNetworks:
         self._require()
         names = netns.names_for(sandbox_id)
         with self._locked():
+            prior = self._load(sandbox_id)
             (self.state_dir / "sandboxes" / f"{sandbox_id}.json").unlink(missing_ok=True)
             if self._ping() is not None:
                 self._control({"op": "sync", "sandbox_id": sandbox_id})
-            netns.delete_table(names.table)
+            # A deny-all namespace never has a table (preparing deny-all removes any earlier
+            # one before recording the policy), so the nft run (~5 ms) is skipped for it.
+            if prior is None or prior.get("policy") != "deny-all":
+                netns.delete_table(names.table)
             netns.delete_link(names.host_if)
             netns.delete_netns(names.netns)
             if not keep_log:

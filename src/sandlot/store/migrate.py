@@ -18,7 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 __all__ = ["HEAD_REVISION", "upgrade"]
 
-HEAD_REVISION = "0002"
+HEAD_REVISION = "0004"
 """The newest migration; a test checks it matches Alembic's head."""
 
 _PG_LOCK_KEY = 0x5A4E_D107  # arbitrary, constant: the advisory lock id for migrations

@@ -16,7 +16,19 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio.to_thread
-from sqlalchemy import Engine, and_, case, create_engine, delete, event, insert, select, update
+from sqlalchemy import (
+    Engine,
+    and_,
+    case,
+    create_engine,
+    delete,
+    event,
+    insert,
+    select,
+    type_coerce,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from sandlot.errors import BackendUnavailable, Conflict, InvalidRequest, NotFound
@@ -181,7 +193,14 @@ class SqlStore:
                 conds.append(sandboxes.c.hidden.is_(False))
             if query.expired_before is not None:
                 conds.append(sandboxes.c.expires_at < query.expired_before.timestamp())
-            conds.extend(sandboxes.c.labels[k].as_string() == v for k, v in query.labels.items())
+            if query.labels and self.engine.dialect.name == "postgresql":
+                # Containment (`labels @> '{"k": "v"}'`) is what the GIN index on labels serves.
+                labels = type_coerce(sandboxes.c.labels, JSONB)
+                conds.append(labels.contains(dict(query.labels)))
+            else:
+                conds.extend(
+                    sandboxes.c.labels[k].as_string() == v for k, v in query.labels.items()
+                )
             stmt = (
                 select(sandboxes)
                 .where(and_(True, *conds))

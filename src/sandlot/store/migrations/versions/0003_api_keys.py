@@ -1,21 +1,16 @@
 """API keys (sandlot.server.schema).
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0003
+Revises: 0002
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-# TEMPORARY, for the lead to replace with the literal "0003" once 0002 (receipts) and 0003
-# (journal) are in: until then this chains onto the newest of 0001-0003 present, so the chain
-# never has two heads nor a missing parent while those files land.
-down_revision = max(p.name[:4] for p in Path(__file__).parent.glob("000[123]_*.py"))
+revision = "0003"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 

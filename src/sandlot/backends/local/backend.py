@@ -1,0 +1,2107 @@
+"""The ``local`` backend: sandboxes on this host, isolated by an OCI runtime, with no daemon.
+
+Each sandbox is one directory ``<state_dir>/<sandbox_id>/`` holding what it keeps on the host
+(``meta.json``, the bundle's ``config.json``, the writable layer, the agent socket, logs), plus,
+named after its container, a container in the runtime's state root, its root mount point and
+gVisor socket directory (under ``/run/sandlot/<tag>/``: paths the runtime opens from inside the
+sandbox's user namespace must be traversable by its unprivileged uid, which a home under
+``/root`` is not) and its cgroups (``sandlot/<tag>/<container>``). The
+in-sandbox agent (:mod:`sandlot.channel.agent`) is the container's init; for ``crun`` it serves
+a listening socket the backend made and passed as fd 3, so the socket never appears inside.
+
+What is enforced, and where (each has a test under ``tests/security`` or
+``tests/integration/local``): new pid, mount, net, ipc, uts, cgroup and user namespaces, with
+container root mapped to a private unprivileged host uid range (:mod:`.ids`); a root filesystem
+of read-only lower layers seen through id-mapped mounts plus a persistent overlay upper
+directory (:mod:`.mounts`, :mod:`.rootfs`); cgroup limits for memory (with swap), pids (a
+default when the spec sets none) and CPU; an optional size-limited writable layer (a
+loop-mounted ext4 image) for ``disk_mb``; no new privileges, a reduced capability set, a seccomp
+deny list, masked and read-only ``/proc`` and ``/sys`` paths (:mod:`.oci`, :mod:`.seccomp`); and
+an empty network namespace (loopback only) unless a network service is plugged in.
+
+A warm pool (``pool={"namespaces": N}``) keeps booted default-root sandboxes under
+``<state_dir>/.pool/<isolation>/``; ``create`` claims one by an atomic ``renameat2(NOREPLACE)``
+of its directory, so two processes never claim the same one. This module must not import the
+store, the Manager or front ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, final
+
+import anyio
+import anyio.to_thread
+
+from sandlot.backends.base import BackendState, Capabilities, SnapshotRef
+from sandlot.backends.local import layers, oci
+from sandlot.backends.local.channel import LocalChannel, read_oom_kills
+from sandlot.backends.local.ids import RANGE_SIZE, UidRanges
+from sandlot.backends.local.mounts import (
+    UsernsHolder,
+    bind_idmapped,
+    is_mountpoint,
+    mount_overlay,
+    mount_small_tmpfs,
+    umount_tree,
+)
+from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache
+from sandlot.backends.local.runtime import (
+    Crun,
+    Runsc,
+    Runtime,
+    become_subreaper,
+    process_alive,
+    process_start_time,
+    reap,
+    wait_exit,
+)
+from sandlot.config import cache_dir
+from sandlot.errors import (
+    BackendError,
+    BackendUnavailable,
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    NotSupported,
+    SandboxError,
+    SandboxTimeout,
+    VerificationFailed,
+)
+from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping, SandboxSpec
+
+if TYPE_CHECKING:
+    from sandlot.channel.base import Channel
+    from sandlot.network.service import SandboxNetwork, SandboxNetworks
+
+__all__ = ["ISOLATIONS", "LocalBackend"]
+
+ISOLATIONS: Mapping[str, str] = {"namespaces": "crun", "gvisor": "runsc"}
+"""``backend_options.local.isolation`` values and the runtime each one runs on."""
+
+_OPTIONS = frozenset({"isolation"})
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_AGENT_IN = "/.sandlot/agent.py"
+_AGENT_PYC_IN = "/.sandlot/agent.pyc"
+_HOST_USR_IN = "/.sandlot/usr"
+_RUN_IN = "/.sandlot/run"
+# runsc passes no file descriptors but stdio into a sandbox, so there the socket is bound inside,
+# on a host directory mounted in (``--host-uds=create`` makes it a host socket), before the
+# agent takes it over as fd 3. Binding in place, not bind-then-rename: gVisor forbids renaming
+# or unlinking a host-backed socket from inside.
+_GVISOR_BOOT = """\
+import os, sys, _socket
+s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+s.bind(sys.argv[1])
+s.listen(128)
+if s.fileno() != 3:
+    os.dup2(s.fileno(), 3)
+os.set_inheritable(3, True)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+_POOL_PREFIX = "slp-"
+_SYS_RENAMEAT2 = 316
+_RENAME_NOREPLACE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _rename_noreplace(src: Path, dst: Path) -> bool:
+    """Atomically move ``src`` to ``dst`` unless ``dst`` exists; False when someone else won."""
+    ret = _libc.syscall(
+        _SYS_RENAMEAT2, -100, os.fsencode(src), -100, os.fsencode(dst), _RENAME_NOREPLACE
+    )
+    if ret == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
+        return False
+    msg = f"cannot move {src} to {dst}: {os.strerror(err)}"
+    raise BackendError(msg)
+
+
+@dataclass
+class _Meta:
+    """What the backend records about one sandbox (``meta.json``)."""
+
+    sandbox_id: str
+    container: str
+    runtime: str
+    uid_base: int | None
+    layers: list[dict[str, JsonValue]]
+    spec: dict[str, JsonValue]
+    default_root: bool = True
+    image_env: list[str] = field(default_factory=list)
+    disk_mb: int | None = None
+    net_key: str | None = None
+    init: list[int] | None = None
+    host_pids: list[list[int]] = field(default_factory=list)
+    stop_reason: str | None = None
+    stop_detail: str = ""
+    booted: bool = False
+    created_at: float = field(default_factory=time.time)
+    baseline: dict[str, JsonValue] | None = None
+    """The state right after create: its lower layers and the digest of its upper layer."""
+    pristine: dict[str, JsonValue] | None = None
+    """What the last verified reset left: its target and the digest of the upper layer."""
+
+    @property
+    def isolation(self) -> str:
+        return "gvisor" if self.runtime == "runsc" else "namespaces"
+
+    def spec_model(self) -> SandboxSpec:
+        return SandboxSpec.model_validate(self.spec)
+
+    @classmethod
+    def load(cls, path: Path) -> _Meta:
+        doc = json.loads(path.read_text())
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+    def save(self, path: Path) -> None:
+        # Every field is JSON data already; asdict's deep copy was most of a save's cost.
+        raw = json.dumps({k: getattr(self, k) for k in _META_FIELDS}, sort_keys=True).encode()
+        tmp = f"{path.parent}/.meta.{os.getpid()}.{secrets.token_hex(3)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, raw)
+        finally:
+            os.close(fd)
+        Path(tmp).replace(path)
+
+
+_META_FIELDS = tuple(_Meta.__dataclass_fields__)
+
+
+def _host_resolv_conf() -> str:
+    """The host's nameservers a NATed sandbox can reach: not loopback ones."""
+    for source in ("/etc/resolv.conf", "/run/systemd/resolve/resolv.conf"):
+        try:
+            lines = Path(source).read_text().splitlines()
+        except OSError:
+            continue
+        servers = [
+            line.split()[1]
+            for line in lines
+            if line.startswith("nameserver") and len(line.split()) > 1
+        ]
+        usable = [a for a in servers if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
+        if usable:
+            return "".join(f"nameserver {a}\n" for a in usable[:3])
+    return "# sandlot: the host's resolver listens on its loopback, which sandboxes cannot reach\n"
+
+
+def _python_for_default_root() -> str:
+    """The interpreter path inside a default-root sandbox (the host's, through ``/usr``)."""
+    for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(cand, os.X_OK):
+            return cand
+    msg = "the local backend needs a Python 3.8+ in /usr (Debian package python3-minimal)"
+    raise BackendUnavailable(msg)
+
+
+def _host_loader() -> tuple[str, str]:
+    """The host's dynamic loader and library directory, relative to ``/usr``.
+
+    Resolved on the host: the loader's usual path is an absolute symlink, which inside an
+    image would point into the image, not into the host's ``/usr`` mounted beside it.
+    """
+    for loader in ("lib64/ld-linux-x86-64.so.2", "lib/ld-linux-aarch64.so.1"):
+        real = Path("/usr", loader).resolve()
+        if real.exists() and real.is_relative_to("/usr"):
+            return str(real.relative_to("/usr")), str(real.parent.relative_to("/usr"))
+    msg = "cannot find the host's dynamic loader under /usr to run the agent in an image"
+    raise BackendUnavailable(msg)
+
+
+@final
+class LocalBackend:
+    """Sandboxes on this host under crun (namespaces) or runsc (gVisor).
+
+    Args:
+        state_dir: this backend's directory (``sandlot.config.backend_dir(home, "local")``).
+        runtime: the runtime for ``isolation="namespaces"``; only ``"crun"`` is supported.
+        networks: the network service that prepares per-sandbox network namespaces (egress
+            policies, ports); without it every sandbox gets an empty network namespace
+            (loopback only) and only ``network="deny-all"`` is accepted.
+        pool: warm-pool sizes per isolation (``{"namespaces": 4}``); pooled sandboxes have
+            the default root and no image, and are claimed by ``create``.
+        cache: the root filesystem cache (default ``sandlot.config.cache_dir()``).
+        uid_registry: the host-wide directory recording uid ranges.
+        agent_path: the agent file bound into every sandbox.
+        ready_timeout: seconds to wait for a booted sandbox's agent to answer.
+        stop_timeout: seconds between SIGTERM and SIGKILL on ``stop``.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        runtime: str = "crun",
+        networks: SandboxNetworks | None = None,
+        pool: Mapping[str, int] | None = None,
+        cache: Path | None = None,
+        uid_registry: Path | None = None,
+        agent_path: Path | None = None,
+        ready_timeout: float = 30.0,
+        stop_timeout: float = 2.0,
+    ) -> None:
+        if runtime != "crun":
+            msg = f"runtime {runtime!r} is not supported by the local backend (use 'crun')"
+            raise InvalidRequest(msg)
+        for key in pool or {}:
+            if key not in ISOLATIONS:
+                msg = f"pool isolation {key!r} is not one of {', '.join(ISOLATIONS)}"
+                raise InvalidRequest(msg)
+        self.state_dir = Path(state_dir).absolute()
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._networks = networks
+        self._pool_sizes = {k: max(0, int(v)) for k, v in (pool or {}).items()}
+        self._cache_path = cache
+        self._rootfs: RootfsCache | None = None
+        root = os.geteuid() == 0
+        if uid_registry is None:
+            uid_registry = (
+                Path("/var/lib/sandlot/uid-ranges") if root else self.state_dir / ".uid-ranges"
+            )
+        self._uids = UidRanges(uid_registry)
+        if agent_path is None:
+            from sandlot.channel.protocol import AGENT_PATH
+
+            agent_path = Path(AGENT_PATH)
+        self._agent_path = agent_path.resolve()
+        self._ready_timeout = ready_timeout
+        self._stop_timeout = stop_timeout
+        self._tag = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
+        # Paths the runtime opens from inside the sandbox's user namespace (the root mount
+        # point, gVisor's socket directory, the agent file) must be traversable by an
+        # unprivileged uid; a home under /root is not, so they live under /run/sandlot.
+        if root:
+            run_base = Path("/run/sandlot")
+        else:
+            # Rootless sandboxes are not implemented yet (see unavailable()); this only keeps
+            # construction (``sandlot doctor``) working for a normal user.
+            runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sandlot-{os.geteuid()}"
+            run_base = Path(runtime_dir) / "sandlot"
+        run_root = run_base / self._tag
+        self._run_root = run_root
+        for path in (run_root.parent, run_root, run_root / "mnt"):
+            path.mkdir(parents=True, exist_ok=True, mode=0o711)
+            path.chmod(0o711)
+        self._agent_copy = run_root / f"agent-{_file_digest(agent_path)[:16]}.py"
+        self._agent_pyc: Path | None = None
+        self._agent_pyc_failed = False
+        for old in run_root.glob("agent-*.py*"):
+            # Running sandboxes keep their bind-mounted copy (the inode), not the name.
+            if old.stem != self._agent_copy.stem:
+                with contextlib.suppress(FileNotFoundError):
+                    old.unlink()
+        if not self._agent_copy.exists():
+            tmp = run_root / f".agent.{os.getpid()}.{secrets.token_hex(3)}"
+            shutil.copyfile(agent_path, tmp)
+            tmp.chmod(0o644)
+            tmp.replace(self._agent_copy)
+        self._runtimes: dict[str, Runtime] = {
+            "crun": Crun(run_root / "crun"),
+            "runsc": Runsc(run_root / "runsc"),
+        }
+        self._userns = UsernsHolder()
+        self._ready: dict[str, Channel] = {}
+        self._refill: anyio.abc.TaskGroup | None = None
+        self._refilling: set[str] = set()
+        self._fill_lock = anyio.Lock()
+        self._subreaper = False
+        self._usable: set[str] = set()
+        for sub in (".locks", ".pool", ".snapshots"):
+            (self.state_dir / sub).mkdir(exist_ok=True, mode=0o700)
+
+    # ------------------------------------------------------------------ protocol basics
+
+    @property
+    def name(self) -> str:
+        """``local``."""
+        return "local"
+
+    def capabilities(self) -> Capabilities:
+        """What this backend enforces (network kinds depend on the network service)."""
+        network = {"deny-all"}
+        if self._networks is not None:
+            network |= set(self._networks.capabilities())
+        return Capabilities(
+            network=frozenset(network),
+            limits=frozenset({"vcpus", "memory_mb", "pids", "disk_mb"}),
+            pause_memory=False,
+            snapshot=True,
+            fork=True,
+            ports=self._networks is not None and bool(self._networks.capabilities()),
+            images=True,
+            reset=True,
+            isolation="namespaces",
+        )
+
+    @property
+    def run_dir(self) -> Path:
+        """Host directory of runtime state, root mount points and the agent copy
+        (``/run/sandlot/<tag>``, the tag derived from the state directory)."""
+        return self._run_root
+
+    @property
+    def rootfs_cache_dir(self) -> Path:
+        """Where image layers and the default skeleton are kept (``<cache>/local``)."""
+        return self._cache().root
+
+    def uid_ranges(self) -> dict[int, str]:
+        """Host uid ranges recorded for this backend's sandboxes: ``{first uid: container}``."""
+        return self._uids.owned_by(self.state_dir)
+
+    def unavailable(self) -> str | None:
+        """None when sandboxes can run here, else what is missing (for ``sandlot doctor``)."""
+        if os.geteuid() != 0:
+            return (
+                "the local backend runs sandboxes as root for now (each gets its own unprivileged "
+                "uid range); rootless mode is not implemented"
+            )
+        missing = self._runtimes["crun"].available()
+        if missing:
+            return missing
+        if shutil.which("unshare") is None:
+            return "unshare is missing (Debian package util-linux)"
+        return None
+
+    # ------------------------------------------------------------------ paths
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.state_dir / sandbox_id
+
+    def _mnt(self, container: str) -> Path:
+        """Where a sandbox's root is mounted (and gVisor's socket directory lives)."""
+        return self._run_root / "mnt" / container
+
+    def _cgroup_rel(self, container: str) -> str:
+        return f"/sandlot/{self._tag}/{container}"
+
+    def _oom_files(self, container: str) -> list[Path]:
+        rel = self._cgroup_rel(container).lstrip("/")
+        return [
+            Path("/sys/fs/cgroup/memory") / rel / "memory.oom_control",
+            Path("/sys/fs/cgroup") / rel / "memory.events",
+        ]
+
+    def _cache(self) -> RootfsCache:
+        if self._rootfs is None:
+            self._rootfs = RootfsCache(self._cache_path or cache_dir())
+        return self._rootfs
+
+    @contextlib.contextmanager
+    def _locked(self, sandbox_id: str) -> Iterator[None]:
+        fd = os.open(
+            self.state_dir / ".locks" / sandbox_id, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    @contextlib.asynccontextmanager
+    async def _alock(self, sandbox_id: str) -> AsyncIterator[None]:
+        path = self.state_dir / ".locks" / sandbox_id
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            # Non-blocking attempts so a waiting task never parks a worker thread.
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await anyio.sleep(0.005)
+            yield
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate(self, sandbox_id: str, spec: SandboxSpec) -> str:
+        """Check what this backend must refuse; the runtime name for the spec."""
+        if not _ID.match(sandbox_id):
+            msg = f"sandbox id {sandbox_id!r} must be 1-63 letters, digits, '.', '_' or '-'"
+            raise InvalidRequest(msg)
+        options = spec.options_for("local")
+        for key in options:
+            if key not in _OPTIONS:
+                msg = f"unknown backend_options.local key {key!r} (known: {', '.join(sorted(_OPTIONS))})"
+                raise InvalidRequest(msg)
+        isolation = options.get("isolation", "namespaces")
+        if not isinstance(isolation, str) or isolation not in ISOLATIONS:
+            msg = f"backend_options.local.isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}"
+            raise InvalidRequest(msg)
+        kind = spec.network if isinstance(spec.network, str) else "allowlist"
+        if kind not in self.capabilities().network:
+            msg = (
+                f"network policy {kind!r} is not enforced by the local backend here: without the "
+                "network service a sandbox has loopback only; use network='deny-all'"
+            )
+            raise NotSupported(msg)
+        if isolation == "gvisor" and kind != "deny-all":
+            # Measured with Debian's runsc (2022-12): joining a prepared namespace fails with
+            # "cannot run with network enabled in root network namespace".
+            msg = (
+                f"network policy {kind!r} is not available with isolation='gvisor' on this "
+                "runsc; gVisor sandboxes are deny-all (loopback only)"
+            )
+            raise NotSupported(msg)
+        if spec.ports and self._networks is None:
+            msg = "publishing ports needs the network service (the sandbox has loopback only)"
+            raise NotSupported(msg)
+        runtime = ISOLATIONS[isolation]
+        if runtime not in self._usable:
+            problem = self.unavailable() or self._runtimes[runtime].available()
+            if problem:
+                raise BackendUnavailable(problem)
+            # Checked once: the checks read mount tables and may mount the hugetlb hierarchy.
+            self._usable.add(runtime)
+        return runtime
+
+    def _ensure_subreaper(self) -> None:
+        if not self._subreaper:
+            become_subreaper()
+            self._subreaper = True
+
+    # ------------------------------------------------------------------ create
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec) -> str:
+        """Make and boot a sandbox (claiming a pooled one when the spec allows); its ref.
+
+        Idempotent per ``sandbox_id``: a sandbox left by an earlier attempt is adopted (booted
+        again if it is not running).
+        """
+        runtime = self._validate(sandbox_id, spec)
+        self._ensure_subreaper()
+        d = self._dir(sandbox_id)
+        async with self._alock(sandbox_id):
+            if (d / "meta.json").exists():
+                await self._adopt(d, spec)
+                return sandbox_id
+            if d.exists():
+                # A create that crashed before writing meta.json left only empty directories.
+                await anyio.to_thread.run_sync(self._wipe_dir, d)
+            if await self._claim(sandbox_id, spec, runtime):
+                return sandbox_id
+            layer = await anyio.to_thread.run_sync(self._base_layer, spec)
+            meta = await anyio.to_thread.run_sync(
+                self._provision, d, sandbox_id, f"sl-{sandbox_id}", runtime, spec, [layer]
+            )
+            try:
+                await self._boot(d, meta, spec, baseline=True)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._destroy_dir(d)
+                raise
+        return sandbox_id
+
+    def _base_layer(self, spec: SandboxSpec) -> Layer:
+        cache = self._cache()
+        return cache.image(spec.image) if spec.image else cache.skeleton()
+
+    def _provision(
+        self,
+        d: Path,
+        sandbox_id: str,
+        container: str,
+        runtime: str,
+        spec: SandboxSpec,
+        lowers: list[Layer],
+    ) -> _Meta:
+        base = self._uids.allocate(self.state_dir, container)
+        try:
+            d.mkdir(mode=0o711)
+        except BaseException:
+            self._uids.release(base)
+            raise
+        meta = _Meta(
+            sandbox_id=sandbox_id,
+            container=container,
+            runtime=runtime,
+            uid_base=base,
+            layers=[{"path": str(lay.path), "key": lay.key} for lay in lowers],
+            spec=spec.model_dump(mode="json"),
+            default_root=lowers[-1].default_root,
+            image_env=list(lowers[-1].env),
+            disk_mb=spec.resources.disk_mb,
+            net_key=sandbox_id if self._networks is not None else None,
+        )
+        try:
+            meta.save(d / "meta.json")
+            for sub in ("layer", "logs"):
+                (d / sub).mkdir(mode=0o711 if sub != "logs" else 0o700)
+            self._make_layer(d, meta)
+        except BaseException:
+            self._uids.release(base)
+            raise
+        return meta
+
+    def _make_layer(self, d: Path, meta: _Meta) -> None:
+        layer = d / "layer"
+        if meta.disk_mb is not None:
+            img = d / "layer.img"
+            if not img.exists():
+                with open(img, "wb") as f:
+                    f.truncate(meta.disk_mb << 20)
+                owner = meta.uid_base or 0
+                _check_run(
+                    [
+                        "mkfs.ext4",
+                        "-q",
+                        "-F",
+                        "-m",
+                        "0",
+                        "-E",
+                        f"root_owner={owner}:{owner}",
+                        str(img),
+                    ],
+                    "make the size-limited writable layer (Debian package e2fsprogs)",
+                )
+            if not is_mountpoint(layer):
+                _check_run(
+                    ["mount", "-o", "loop,nosuid,nodev", str(img), str(layer)],
+                    "mount the size-limited writable layer",
+                )
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.rmtree(layer / "lost+found")
+        uid = meta.uid_base or 0
+        for sub in ("upper", "work"):
+            p = layer / sub
+            p.mkdir(exist_ok=True, mode=0o755)
+            os.chown(p, uid, uid)
+        os.chown(layer, uid, uid)
+
+    # ------------------------------------------------------------------ boot
+
+    def _mount(self, d: Path, meta: _Meta) -> None:
+        rootfs = self._mnt(meta.container) / "rootfs"
+        rootfs.mkdir(parents=True, exist_ok=True, mode=0o711)
+        if is_mountpoint(rootfs):
+            return
+        self._make_layer(d, meta)
+        userns = self._userns.fd(meta.uid_base, RANGE_SIZE) if meta.uid_base is not None else None
+        lowers = [Path(str(lay["path"])) for lay in meta.layers]
+        for lower in lowers:
+            if not lower.is_dir():
+                msg = f"sandbox {meta.sandbox_id}: its layer {lower} is gone"
+                raise BackendError(msg)
+        mount_overlay(rootfs, lowers, d / "layer" / "upper", d / "layer" / "work", userns)
+        try:
+            if meta.default_root:
+                bind_idmapped(Path("/usr"), rootfs / "usr", userns, readonly=True)
+            self._ensure_workdir(rootfs, meta)
+        except BaseException:
+            umount_tree(rootfs)
+            raise
+
+    def _ensure_workdir(self, rootfs: Path, meta: _Meta) -> None:
+        workdir = str(meta.spec.get("workdir") or "/workspace")
+        uid = meta.uid_base or 0
+        path = rootfs
+        for part in Path(workdir).parts[1:]:
+            path = path / part
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                path.mkdir(mode=0o755)
+                os.lchown(path, uid, uid)
+                continue
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+                # A symlink here could lead the host outside; the agent makes it from inside.
+                return
+
+    def _bundle(
+        self, d: Path, meta: _Meta, spec: SandboxSpec, netns: str | None, env: dict[str, str]
+    ) -> object:
+        """Write ``config.json``; the seccomp profile in it (for :meth:`Crun.learn_seccomp`)."""
+        mounts: list[dict[str, object]] = [
+            {
+                "destination": _AGENT_IN,
+                "type": "bind",
+                "source": str(self._agent_copy),
+                "options": ["bind", "ro", "nosuid", "nodev"],
+            }
+        ]
+        if netns is not None and spec.network == "allow-all":
+            # Outbound traffic is NATed, so the sandbox can use the host's own nameservers
+            # (unless they sit on the host's loopback, which the sandbox cannot reach).
+            resolv = d / "resolv.conf"
+            resolv.write_text(_host_resolv_conf())
+            mounts.append(
+                {
+                    "destination": "/etc/resolv.conf",
+                    "type": "bind",
+                    "source": str(resolv),
+                    "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+                }
+            )
+        mode = ["--listen-fd", "3"]
+        if meta.runtime == "runsc":
+            mounts.append(
+                {
+                    "destination": _RUN_IN,
+                    "type": "bind",
+                    "source": str(self._mnt(meta.container) / "run"),
+                    "options": ["bind", "rw", "nosuid", "nodev", "noexec"],
+                }
+            )
+        host_python = Path(_python_for_default_root()).resolve()
+        if meta.default_root:
+            python = [str(host_python)]
+        else:
+            # An image may have no Python, or another libc: run the host's interpreter with
+            # the host's loader and libraries, from the host's /usr mounted aside.
+            loader, libdir = _host_loader()
+            mounts.append(
+                {
+                    "destination": _HOST_USR_IN,
+                    "type": "bind",
+                    "source": "/usr",
+                    "options": ["rbind", "ro", "nosuid", "nodev"],
+                }
+            )
+            python = [
+                f"{_HOST_USR_IN}/{loader}",
+                "--library-path",
+                f"{_HOST_USR_IN}/{libdir}",
+                f"{_HOST_USR_IN}/{host_python.relative_to('/usr')}",
+            ]
+        agent = _AGENT_IN
+        pyc = self._compiled_agent(host_python)
+        if pyc is not None:
+            mounts.append(
+                {
+                    "destination": _AGENT_PYC_IN,
+                    "type": "bind",
+                    "source": str(pyc),
+                    "options": ["bind", "ro", "nosuid", "nodev"],
+                }
+            )
+            agent = _AGENT_PYC_IN
+        args = [*python, "-I", "-S", agent, *mode, "--workdir", spec.workdir, "--quiet"]
+        if meta.runtime == "runsc":
+            args = [*python, "-I", "-S", "-c", _GVISOR_BOOT, f"{_RUN_IN}/agent.sock", *args]
+        init_env = [*meta.image_env, *(f"{k}={v}" for k, v in env.items())]
+        cfg = oci.BundleConfig(
+            args=args,
+            rootfs=self._mnt(meta.container) / "rootfs",
+            uid_base=meta.uid_base,
+            uid_size=RANGE_SIZE,
+            cgroups_path=self._cgroup_rel(meta.container),
+            resources=spec.resources,
+            env=init_env,
+            extra_mounts=mounts,
+            netns_path=netns,
+            hostname=HOSTNAME,
+            gvisor=meta.runtime == "runsc",
+        )
+        doc = oci.build(cfg)
+        linux = doc["linux"]
+        profile = linux.get("seccomp") if isinstance(linux, dict) else None
+        rt = self._runtimes[meta.runtime]
+        if isinstance(rt, Crun) and profile is not None:
+            annotations = rt.seccomp_annotation(profile)
+            if annotations:
+                doc["annotations"] = annotations
+        tmp = d / ".config.json.tmp"
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(d / "config.json")
+        return profile
+
+    def _compiled_agent(self, python: Path) -> Path | None:
+        """The agent compiled by the sandboxes' interpreter, or None if that failed.
+
+        A script run as ``__main__`` is compiled on every start and nothing can cache it from
+        inside a read-only mount: for the agent that is most of its start-up time (about 35 ms
+        of 55 here). Compiling once, with the very interpreter the sandboxes run, keeps the
+        bytecode's magic number right.
+        """
+        if self._agent_pyc is not None or self._agent_pyc_failed:
+            return self._agent_pyc
+        target = self._agent_copy.with_name(
+            f"{self._agent_copy.stem}-{hashlib.sha256(str(python).encode()).hexdigest()[:8]}.pyc"
+        )
+        if not target.exists():
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(3)}")
+            code = (
+                "import py_compile, sys; "
+                "py_compile.compile(sys.argv[1], cfile=sys.argv[2], dfile=sys.argv[3], doraise=True)"
+            )
+            proc = subprocess.run(
+                [str(python), "-I", "-S", "-c", code, str(self._agent_copy), str(tmp), _AGENT_IN],
+                capture_output=True,
+                check=False,
+            )
+            if proc.returncode != 0 or not tmp.exists():
+                # Running the source works too, only slower to start.
+                self._agent_pyc_failed = True
+                return None
+            tmp.chmod(0o644)
+            tmp.replace(target)
+        self._agent_pyc = target
+        return target
+
+    async def _boot(
+        self,
+        d: Path,
+        meta: _Meta,
+        spec: SandboxSpec,
+        *,
+        baseline: bool = False,
+        keep_network: bool = False,
+    ) -> None:
+        """Mount, write the bundle, start the runtime and wait for the agent.
+
+        ``baseline``: record the state right after boot as the sandbox's baseline (create).
+        ``keep_network``: reuse the prepared network namespace when it is still there (reset).
+        Independent steps overlap: the root filesystem is mounted while the network namespace
+        is prepared and the bundle written, and the agent connection is opened before the
+        runtime even starts (for crun the listening socket is ours), so its handshake waits
+        on the agent's start-up rather than following it.
+        """
+        rt = self._runtimes[meta.runtime]
+        name = meta.container
+        if name in rt.names():
+            state = await rt.state(name)
+            if (
+                state is not None
+                and state.status == "running"
+                and meta.init is not None
+                and state.pid == meta.init[0]
+                and process_alive(meta.init[0], meta.init[1])
+            ):
+                await self._wait_ready(d, meta)
+                return
+            if state is not None:
+                # Not the container this record describes (or not running): start afresh.
+                if state.pid > 0 and state.status in ("running", "created", "paused"):
+                    await rt.kill(name, signal.SIGKILL)
+                await anyio.to_thread.run_sync(self._reap_all, meta, 0.5)
+                await rt.delete(name)
+        profile: list[object] = []
+
+        async def network_and_bundle() -> None:
+            netns: str | None = None
+            env: dict[str, str] = {}
+            if self._networks is not None and meta.net_key is not None:
+                # A reset keeps the namespace it had (the sandbox cannot change it: no
+                # CAP_NET_ADMIN); rebuilding it is for boots after a stop or a reboot.
+                net = self._kept_network(meta.net_key) if keep_network else None
+                if net is None:
+                    net = await self._networks.prepare(meta.net_key, spec.network)
+                netns = net.netns_path
+                env.update(net.env())
+            profile.append(await anyio.to_thread.run_sync(self._bundle, d, meta, spec, netns, env))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, self._mount, d, meta)
+            tg.start_soon(network_and_bundle)
+        network = (
+            self._networks is not None and meta.net_key is not None and spec.network != "deny-all"
+        )
+        if meta.runtime == "crun":
+            await self._start_crun(d, meta, profile[0], network=network, baseline=baseline)
+            return
+        # The sandbox can write here (it binds its socket here), so it is a tiny tmpfs of its
+        # own rather than a directory of the host's /run.
+        run = self._mnt(meta.container) / "run"
+        umount_tree(run)
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir(mode=0o700)
+        mount_small_tmpfs(run, size_kb=64, owner=meta.uid_base or 0)
+        pid_file = d / "init.pid"
+        with contextlib.suppress(FileNotFoundError):
+            pid_file.unlink()
+        await rt.run(
+            name,
+            d,
+            listen_fd=None,
+            log=d / "logs" / "runtime.log",
+            pid_file=pid_file,
+            network=network,
+        )
+        self._record_init(d, meta, pid_file, baseline=baseline)
+        await self._wait_ready(d, meta)
+
+    def _kept_network(self, key: str) -> SandboxNetwork | None:
+        if self._networks is None:
+            return None
+        try:
+            net = self._networks.get(key)
+        except NotFound:
+            return None
+        return net if Path(net.netns_path).exists() else None
+
+    def _record_init(self, d: Path, meta: _Meta, pid_file: Path, *, baseline: bool) -> None:
+        rt = self._runtimes[meta.runtime]
+        pid = int(pid_file.read_text().strip() or 0) if pid_file.exists() else 0
+        start = process_start_time(pid) if pid else None
+        meta.init = [pid, start] if pid and start is not None else None
+        meta.host_pids = [
+            [p, s]
+            for p in rt.host_pids(meta.container, pid)
+            if (s := process_start_time(p)) is not None
+        ]
+        meta.stop_reason = None
+        meta.stop_detail = ""
+        meta.booted = True
+        if baseline:
+            # The runtime has made its mount points by now and the agent writes nothing, so
+            # this is the state a caller gets back from create (and from a baseline reset).
+            meta.baseline = {
+                "layers": [dict(lay) for lay in meta.layers],
+                "default_root": meta.default_root,
+                "upper": self._describe_upper(d, meta).digest,
+            }
+        meta.save(d / "meta.json")
+
+    async def _start_crun(
+        self, d: Path, meta: _Meta, profile: object, *, network: bool, baseline: bool
+    ) -> None:
+        rt = self._runtimes["crun"]
+        sock_path = d / "agent.sock"
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid_file = d / "init.pid"
+        with contextlib.suppress(FileNotFoundError):
+            pid_file.unlink()
+        connected: list[Channel] = []
+        failed: list[BaseException] = []
+        died: list[bool] = []
+        connect_scope = anyio.CancelScope()
+        watch_scope = anyio.CancelScope()
+
+        async def connect() -> None:
+            from sandlot.channel.client import connect_unix
+
+            # The socket is ours (a directory the sandbox cannot see), so it is opened by
+            # path; the O_PATH fd only works around sun_path's length limit.
+            fd = os.open(sock_path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                with connect_scope:
+                    connected.append(
+                        await connect_unix(f"/proc/self/fd/{fd}", timeout=self._ready_timeout)
+                    )
+            except (OSError, SandboxError) as e:
+                failed.append(e)
+            finally:
+                os.close(fd)
+                watch_scope.cancel()
+
+        async def watch(pid: int, start: int) -> None:
+            with watch_scope:
+                await wait_exit(pid, start, self._ready_timeout + 5)
+                if not process_alive(pid, start):
+                    died.append(True)
+                    connect_scope.cancel()
+
+        try:
+            _bind_unix(listener, sock_path)
+            listener.listen(128)
+            async with anyio.create_task_group() as tg:
+                # Queued in the listen backlog until the agent accepts it.
+                tg.start_soon(connect)
+                try:
+                    await rt.run(
+                        meta.container,
+                        d,
+                        listen_fd=listener.fileno(),
+                        log=d / "logs" / "runtime.log",
+                        pid_file=pid_file,
+                        network=network,
+                    )
+                except BaseException:
+                    connect_scope.cancel()
+                    raise
+                finally:
+                    listener.close()
+                self._record_init(d, meta, pid_file, baseline=baseline)
+                if meta.init is not None:
+                    tg.start_soon(watch, meta.init[0], meta.init[1])
+        except BaseException:
+            for ch in connected:
+                with anyio.CancelScope(shield=True):
+                    await ch.close()
+            raise
+        if isinstance(rt, Crun):
+            rt.learn_seccomp(meta.container, profile)
+        if connected:
+            old = self._ready.pop(meta.sandbox_id, None)
+            self._ready[meta.sandbox_id] = connected[0]
+            if old is not None:
+                await old.close()
+            return
+        if died or (meta.init is not None and not process_alive(meta.init[0], meta.init[1])):
+            msg = f"sandbox {meta.sandbox_id}: its agent exited while starting: {self._log_tail(d)}"
+            raise BackendError(msg)
+        err = failed[0] if failed else None
+        msg = f"sandbox {meta.sandbox_id}: the agent did not answer: {err}: {self._log_tail(d)}"
+        raise SandboxTimeout(msg) from err
+
+    def _describe_upper(self, d: Path, meta: _Meta) -> layers.UpperManifest:
+        return layers.describe_upper(
+            d / "layer" / "upper",
+            uid_base=meta.uid_base or 0,
+            uid_size=RANGE_SIZE if meta.uid_base is not None else 1 << 32,
+        )
+
+    def _socket_path(self, d: Path, meta: _Meta) -> Path:
+        if meta.runtime == "runsc":
+            return self._mnt(meta.container) / "run" / "agent.sock"
+        return d / "agent.sock"
+
+    async def _connect(self, d: Path, meta: _Meta, timeout: float) -> Channel:
+        from sandlot.channel.client import connect_unix
+
+        path = self._socket_path(d, meta)
+        deadline = time.monotonic() + timeout
+        while True:
+            fd = _open_socket_path(path)
+            if fd is not None:
+                try:
+                    inner: Channel = await connect_unix(
+                        f"/proc/self/fd/{fd}", timeout=max(0.1, deadline - time.monotonic())
+                    )
+                    return inner
+                except (OSError, SandboxTimeout, BackendError) as e:
+                    if time.monotonic() >= deadline:
+                        msg = f"sandbox {meta.sandbox_id}: the agent did not answer: {e}"
+                        raise SandboxTimeout(msg) from e
+                finally:
+                    os.close(fd)
+            if meta.init is not None and not process_alive(meta.init[0], meta.init[1]):
+                msg = f"sandbox {meta.sandbox_id}: its agent exited while starting: {self._log_tail(d)}"
+                raise BackendError(msg)
+            if time.monotonic() >= deadline:
+                msg = f"sandbox {meta.sandbox_id}: the agent did not start in {timeout:.0f}s: {self._log_tail(d)}"
+                raise SandboxTimeout(msg)
+            await anyio.sleep(0.003)
+
+    async def _wait_ready(self, d: Path, meta: _Meta) -> None:
+        inner = await self._connect(d, meta, self._ready_timeout)
+        old = self._ready.pop(meta.sandbox_id, None)
+        self._ready[meta.sandbox_id] = inner
+        if old is not None:
+            await old.close()
+
+    def _log_tail(self, d: Path) -> str:
+        try:
+            with open(d / "logs" / "runtime.log", "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 1500))
+                return f.read().decode(errors="replace").strip() or "(no output)"
+        except OSError:
+            return "(no log)"
+
+    async def _adopt(self, d: Path, spec: SandboxSpec) -> None:
+        meta = _Meta.load(d / "meta.json")
+        if meta.sandbox_id != d.name:
+            # A claim of a pooled sandbox was interrupted after the rename: finish it.
+            meta.sandbox_id = d.name
+            meta.spec = spec.model_dump(mode="json")
+            if meta.init is not None and process_alive(meta.init[0], meta.init[1]):
+                await anyio.to_thread.run_sync(self._apply_resources, meta, spec)
+            meta.save(d / "meta.json")
+        if meta.init is not None and process_alive(meta.init[0], meta.init[1]):
+            if meta.sandbox_id not in self._ready:
+                await self._wait_ready(d, meta)
+            return
+        await self._boot(d, meta, meta.spec_model())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _meta(self, ref: str) -> tuple[Path, _Meta]:
+        if not _ID.match(ref):
+            msg = f"no local sandbox {ref!r}"
+            raise NotFound(msg)
+        d = self._dir(ref)
+        try:
+            return d, _Meta.load(d / "meta.json")
+        except FileNotFoundError:
+            msg = f"no local sandbox {ref!r}"
+            raise NotFound(msg) from None
+        except (OSError, ValueError, TypeError) as e:
+            msg = f"local sandbox {ref!r} has unreadable state: {e}"
+            raise BackendError(msg) from e
+
+    async def start(self, ref: str, spec: SandboxSpec) -> None:
+        """Boot a stopped sandbox with its writable layer as it was."""
+        self._ensure_subreaper()
+        async with self._alock(ref):
+            d, meta = self._meta(ref)
+            if meta.init is not None and process_alive(meta.init[0], meta.init[1]):
+                if ref not in self._ready:
+                    await self._wait_ready(d, meta)
+                return
+            await self._halt(d, meta)
+            await self._boot(d, meta, spec)
+
+    async def stop(self, ref: str) -> None:
+        """End every process (SIGTERM to the agent, SIGKILL after ``stop_timeout``) and unmount;
+        the writable layer stays."""
+        async with self._alock(ref):
+            d, meta = self._meta(ref)
+            if meta.init is not None and process_alive(meta.init[0], meta.init[1]):
+                meta.stop_reason, meta.stop_detail = "stopped", "stopped by request"
+            await self._halt(d, meta, grace=self._stop_timeout)
+            meta.save(d / "meta.json")
+
+    async def _halt(self, d: Path, meta: _Meta, *, grace: float = 0.0) -> None:
+        """Kill the container, delete it from the runtime, reap, unmount (idempotent)."""
+        ready = self._ready.pop(meta.sandbox_id, None)
+        if ready is not None:
+            with contextlib.suppress(Exception):
+                await ready.close()
+        rt = self._runtimes[meta.runtime]
+        alive = meta.init is not None and process_alive(meta.init[0], meta.init[1])
+        if alive and self._frozen(meta.container):
+            # Left paused by a snapshot that never finished: frozen tasks ignore signals.
+            with contextlib.suppress(BackendError):
+                await rt.resume(meta.container)
+        if alive and grace > 0:
+            await self._signal_init(rt, meta, signal.SIGTERM)
+            assert meta.init is not None
+            await wait_exit(meta.init[0], meta.init[1], grace)
+        if meta.init is not None and process_alive(meta.init[0], meta.init[1]):
+            await self._signal_init(rt, meta, signal.SIGKILL)
+            await wait_exit(meta.init[0], meta.init[1], 5.0)
+        self._note_death(meta)
+        # Reap first: runsc waits for its sandbox and gofer processes to vanish, and a zombie
+        # of ours would keep it waiting until its deadline.
+        await anyio.to_thread.run_sync(self._reap_all, meta, 0.5)
+        # crun's host processes were recorded at boot; asking it first costs a whole run.
+        known = None
+        if meta.runtime == "crun":
+            recorded = [(int(p[0]), int(p[1])) for p in meta.host_pids]
+            if meta.init is not None:
+                recorded.append((int(meta.init[0]), int(meta.init[1])))
+            known = recorded
+        await rt.delete(meta.container, known)
+        await anyio.to_thread.run_sync(self._reap_all, meta, 2.0)
+        await anyio.to_thread.run_sync(self._unmount, d, meta)
+        meta.init = None
+        meta.host_pids = []
+
+    def _frozen(self, container: str) -> bool:
+        rel = self._cgroup_rel(container).lstrip("/")
+        for path in (
+            Path("/sys/fs/cgroup/freezer") / rel / "freezer.state",
+            Path("/sys/fs/cgroup") / rel / "cgroup.freeze",
+        ):
+            with contextlib.suppress(OSError):
+                return path.read_text().strip() in ("FROZEN", "FREEZING", "1")
+        return False
+
+    async def _signal_init(self, rt: Runtime, meta: _Meta, sig: int) -> None:
+        # Under crun the init is an ordinary host process (pid and start time recorded), and
+        # signalling it directly saves a runtime invocation; gVisor's init lives in its kernel.
+        if meta.runtime == "crun" and meta.init is not None:
+            if process_alive(meta.init[0], meta.init[1]):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(meta.init[0], sig)
+            return
+        await rt.kill(meta.container, sig)
+
+    def _note_death(self, meta: _Meta) -> None:
+        """Record why the init died, once, while its cgroup still exists."""
+        if meta.init is None or meta.stop_reason is not None:
+            return
+        if process_alive(meta.init[0], meta.init[1]):
+            return
+        status = reap(meta.init[0], meta.init[1], timeout=0.5)
+        if read_oom_kills(self._oom_files(meta.container)) > 0 and (
+            status is None or (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL)
+        ):
+            meta.stop_reason = "oom"
+            meta.stop_detail = "the sandbox's init (its agent) was killed by the memory limit"
+        else:
+            meta.stop_reason = "exited"
+            if status is not None:
+                meta.stop_detail = f"the sandbox's init exited ({_describe_status(status)})"
+
+    def _reap_all(self, meta: _Meta, timeout: float) -> None:
+        pids = [(p[0], p[1]) for p in meta.host_pids]
+        if meta.init is not None:
+            pids.append((meta.init[0], meta.init[1]))
+        deadline = time.monotonic() + timeout
+        for pid, start in dict.fromkeys(pids):
+            reap(pid, start, timeout=max(0.0, deadline - time.monotonic()))
+
+    def _unmount(self, d: Path, meta: _Meta) -> None:
+        umount_tree(self._mnt(meta.container))
+        if meta.disk_mb is not None:
+            umount_tree(d / "layer")
+
+    async def destroy(self, ref: str) -> None:
+        """Remove the sandbox and everything it had on the host; a missing one is fine."""
+        if not _ID.match(ref):
+            return
+        d = self._dir(ref)
+        async with self._alock(ref):
+            await self._destroy_dir(d)
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / ".locks" / ref).unlink()
+
+    async def _destroy_dir(self, d: Path) -> None:
+        try:
+            meta: _Meta | None = _Meta.load(d / "meta.json")
+        except (OSError, ValueError, TypeError):
+            meta = None
+        if meta is not None:
+            await self._halt(d, meta)
+            if self._networks is not None and meta.net_key is not None:
+                await self._networks.teardown(meta.net_key)
+            containers = [meta.container]
+        else:
+            # No record (a crash mid-create or mid-destroy): the names derive from the ref.
+            containers = [f"sl-{d.name}"]
+            if d.name.startswith(_POOL_PREFIX):
+                containers.append(d.name)
+            for name in containers:
+                for rt in self._runtimes.values():
+                    await rt.delete(name)
+            for base, name in self._uids.owned_by(self.state_dir).items():
+                if name in containers:
+                    self._userns.forget(base, RANGE_SIZE)
+                    self._uids.release(base)
+        for name in containers:
+            await anyio.to_thread.run_sync(self._remove_cgroups, name)
+            await anyio.to_thread.run_sync(self._wipe_dir, self._mnt(name))
+        await anyio.to_thread.run_sync(self._wipe_dir, d)
+        if meta is not None and meta.uid_base is not None:
+            self._userns.forget(meta.uid_base, RANGE_SIZE)
+            self._uids.release(meta.uid_base)
+        self._gc_snapshots()
+
+    def _pool_entry(self, container: str) -> bool:
+        return any((self.state_dir / ".pool").glob(f"*/{container}"))
+
+    def _container_of(self, ref: str) -> str | None:
+        try:
+            return _Meta.load(self._dir(ref) / "meta.json").container
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _wipe_dir(self, d: Path) -> None:
+        umount_tree(d)
+        # A reset may still be removing an old writable layer below ``d`` on another thread;
+        # both sides ignore what the other removed first.
+        for _ in range(3):
+            shutil.rmtree(d, ignore_errors=True)
+            if not d.exists():
+                return
+            umount_tree(d)
+        shutil.rmtree(d)
+
+    def _remove_cgroups(self, container: str) -> None:
+        rel = self._cgroup_rel(container).lstrip("/")
+        roots = [p for p in Path("/sys/fs/cgroup").iterdir() if p.is_dir()]
+        for root in [*roots, Path("/sys/fs/cgroup")]:
+            target = root / rel
+            for path in (target, target.parent, target.parent.parent):
+                try:
+                    path.rmdir()
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    break
+
+    async def inspect(self, ref: str) -> BackendState:
+        """``running``, ``stopped`` (with ``oom``/``exited``/``stopped`` as the reason) or
+        ``missing``."""
+        d = self._dir(ref)
+        if not _ID.match(ref) or not (d / "meta.json").exists():
+            return BackendState("missing")
+        _, meta = self._meta(ref)
+        if meta.init is not None and process_alive(meta.init[0], meta.init[1]):
+            return BackendState("running")
+        if meta.init is not None and meta.stop_reason is None:
+            async with self._alock(ref):
+                _, meta = self._meta(ref)
+                self._note_death(meta)
+                meta.save(d / "meta.json")
+        return BackendState("stopped", meta.stop_reason, meta.stop_detail)
+
+    async def list_owned(self) -> dict[str, str]:
+        """Every sandbox directory under the state directory (pool entries excluded), and
+        containers of ours whose directory is gone (to be destroyed by ``reconcile``)."""
+        await anyio.to_thread.run_sync(self.release_leaked_uid_ranges)
+        out: dict[str, str] = {}
+        for entry in self.state_dir.iterdir():
+            # Other services may keep state beside the sandboxes (the network service's
+            # ``network/``); a sandbox directory is one with a record.
+            if entry.name.startswith(".") or not _ID.match(entry.name):
+                continue
+            if (entry / "meta.json").is_file():
+                out[entry.name] = entry.name
+        # A container whose directory is gone (a crash mid-destroy) is still ours to reap.
+        for rt in self._runtimes.values():
+            for name in rt.names():
+                if name.startswith("sl-"):
+                    sid = name[3:]
+                    if _ID.match(sid) and sid not in out:
+                        out[sid] = sid
+                elif (
+                    name.startswith(_POOL_PREFIX)
+                    and not self._pool_entry(name)
+                    and not any(self._container_of(ref) == name for ref in out)
+                ):
+                    # A claimed pooled sandbox whose directory is gone: its ref is the name.
+                    out[name] = name
+        return out
+
+    def release_leaked_uid_ranges(self, *, min_age: float = 600.0) -> list[int]:
+        """Free uid ranges recorded for this state directory that no sandbox uses any more
+        (left by a crash between allocating and recording one); their first ids.
+
+        Only records older than ``min_age`` seconds are considered, so a create in flight in
+        another process (which allocates before it writes its record) is never robbed.
+        """
+        users: set[str] = set()
+        for meta_path in [
+            *self.state_dir.glob("*/meta.json"),
+            *(self.state_dir / ".pool").glob("*/*/meta.json"),
+        ]:
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                users.add(_Meta.load(meta_path).container)
+        for rt in self._runtimes.values():
+            users.update(rt.names())
+        freed = []
+        now = time.time()
+        for base, container in self._uids.owned_by(self.state_dir).items():
+            if container in users:
+                continue
+            try:
+                age = now - (self._uids.registry / str(base)).stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age >= min_age:
+                self._userns.forget(base, RANGE_SIZE)
+                self._uids.release(base)
+                freed.append(base)
+        return freed
+
+    async def channel(self, ref: str) -> Channel:
+        """A connected channel to a running sandbox."""
+        d, meta = self._meta(ref)
+        if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
+            msg = f"sandbox {ref} is not running"
+            raise InvalidState(msg)
+        inner = self._ready.pop(ref, None)
+        if inner is None:
+            inner = await self._connect(d, meta, 10.0)
+        spec = meta.spec_model()
+        env = dict(spec.env)
+        if self._networks is not None and meta.net_key is not None:
+            # The proxy settings of the policy in force, which a pooled sandbox's init did not
+            # get at boot; the spec's own variables win.
+            with contextlib.suppress(NotFound):
+                env = {**self._networks.env(meta.net_key), **env}
+        return LocalChannel(
+            inner,
+            env=env,
+            workdir=spec.workdir,
+            oom_files=lambda: self._oom_files(meta.container),
+        )
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _snapshot_dir(self, snapshot_id: str) -> Path:
+        if not _ID.match(snapshot_id):
+            msg = f"snapshot id {snapshot_id!r} must be 1-63 letters, digits, '.', '_' or '-'"
+            raise InvalidRequest(msg)
+        return self.state_dir / ".snapshots" / snapshot_id
+
+    async def snapshot(self, ref: str, snapshot_id: str) -> SnapshotRef:
+        """Capture the writable layer (the sandbox is frozen meanwhile) plus the spec."""
+        dest = self._snapshot_dir(snapshot_id)
+        async with self._alock(ref):
+            d, meta = self._meta(ref)
+            if dest.exists():
+                msg = f"snapshot {snapshot_id} already exists"
+                raise InvalidRequest(msg)
+            rt = self._runtimes[meta.runtime]
+            running = meta.init is not None and process_alive(meta.init[0], meta.init[1])
+            upper = d / "layer" / "upper"
+            mounted_here = False
+            if not running and meta.disk_mb is not None and not is_mountpoint(d / "layer"):
+                await anyio.to_thread.run_sync(self._make_layer, d, meta)
+                mounted_here = True
+            tmp = dest.with_name(f".{snapshot_id}.tmp-{secrets.token_hex(4)}")
+            if running:
+                await rt.pause(meta.container)
+            try:
+                digest, size = await anyio.to_thread.run_sync(
+                    lambda: layers.capture(
+                        upper,
+                        tmp,
+                        uid_base=meta.uid_base or 0,
+                        uid_size=RANGE_SIZE if meta.uid_base is not None else 1 << 32,
+                        base=list(meta.layers),
+                        spec=dict(meta.spec),
+                        sandbox_id=meta.sandbox_id,
+                    )
+                )
+                tmp.rename(dest)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            finally:
+                if running:
+                    await rt.resume(meta.container)
+                if mounted_here:
+                    await anyio.to_thread.run_sync(umount_tree, d / "layer")
+        return SnapshotRef(
+            ref=snapshot_id,
+            size_bytes=size,
+            metadata={"manifest_sha256": digest, "layers": len(meta.layers) + 1},
+        )
+
+    def _snapshot_layers(self, snapshot: SnapshotRef) -> tuple[list[Layer], layers.Manifest]:
+        sdir = self._snapshot_dir(snapshot.ref)
+        if not sdir.is_dir() or (sdir / "deleted").exists():
+            msg = f"snapshot {snapshot.ref} does not exist on this host"
+            raise NotFound(msg)
+        digest = snapshot.metadata.get("manifest_sha256")
+        manifest = layers.verify(sdir, digest if isinstance(digest, str) else None)
+        chain = [Layer(sdir / "layer", f"snapshot:{snapshot.ref}")]
+        for i, lay in enumerate(manifest.base):
+            path = Path(str(lay["path"]))
+            if not path.is_dir():
+                msg = f"snapshot {snapshot.ref}: the layer it sits on ({lay.get('key')}) is gone"
+                raise BackendError(msg)
+            default_root = i == len(manifest.base) - 1 and str(lay.get("key", "")).startswith(
+                "skeleton:"
+            )
+            chain.append(Layer(path, str(lay.get("key", "")), default_root=default_root))
+        return chain, manifest
+
+    async def restore(self, ref: str, snapshot: SnapshotRef, spec: SandboxSpec) -> None:
+        """Reset the sandbox's files to the snapshot (verified first) and boot it."""
+        chain, _ = await anyio.to_thread.run_sync(self._snapshot_layers, snapshot)
+        self._ensure_subreaper()
+        async with self._alock(ref):
+            d, meta = self._meta(ref)
+            await self._halt(d, meta)
+            meta.layers = [{"path": str(lay.path), "key": lay.key} for lay in chain]
+            meta.default_root = chain[-1].default_root
+            await anyio.to_thread.run_sync(self._reset_layer, d, meta)
+            meta.save(d / "meta.json")
+            await self._boot(d, meta, spec)
+
+    def _reset_layer(self, d: Path, meta: _Meta) -> None:
+        if meta.disk_mb is not None:
+            self._make_layer(d, meta)
+        for sub in ("upper", "work"):
+            shutil.rmtree(d / "layer" / sub, ignore_errors=True)
+        self._make_layer(d, meta)
+        if meta.disk_mb is not None:
+            umount_tree(d / "layer")
+
+    # ------------------------------------------------------------------ reset
+
+    async def reset(
+        self, ref: str, snapshot: SnapshotRef | None, spec: SandboxSpec
+    ) -> dict[str, JsonValue]:
+        """Return the sandbox to ``snapshot`` (None: its baseline, as created), verified, booted.
+
+        Every process ends and the writable layer is replaced by an empty one over the target's
+        lower layers, so the files are exactly the target's whatever happened since. Before
+        anything changes, the target's layers are checked (a snapshot layer is re-hashed
+        against its manifest); after the boot the sandbox is checked from the host: its
+        writable layer (the baseline's digest, or only the runtime's own mount points for a
+        snapshot), the processes in its cgroup (the agent alone) and the runtime's record
+        (running, that agent as init).
+
+        Returns:
+            The verification report: ``ok``, ``target``, ``diverged``, timings and one check
+            per source (``layers``, ``snapshot``, ``upper``, ``processes``, ``runtime``) with
+            what was expected and what was found.
+
+        Raises:
+            VerificationFailed: a source disagreed (``details["diverged"]`` names them,
+                ``details["verification"]`` is the report); a bad target leaves the sandbox
+                untouched, a bad result leaves it as it is, for inspection.
+            NotFound: no such sandbox or snapshot.
+        """
+        started = time.perf_counter()
+        self._validate(ref, spec)
+        self._ensure_subreaper()
+        async with self._alock(ref):
+            d, meta = self._meta(ref)
+            checks: list[JsonValue] = []
+            if snapshot is not None:
+                target = f"snapshot:{snapshot.ref}"
+                want = snapshot.metadata.get("manifest_sha256")
+                try:
+                    chain, _ = await anyio.to_thread.run_sync(self._snapshot_layers, snapshot)
+                except NotFound:
+                    raise
+                except BackendError as e:
+                    checks.append(_check("snapshot", str(want or "its manifest"), e.message))
+                    raise _verification_error(ref, _report(target, checks, started)) from e
+                found = layers.manifest_digest(self._snapshot_dir(snapshot.ref))
+                checks.append(_check("snapshot", str(want or found), found))
+                lowers: list[dict[str, JsonValue]] = [
+                    {"path": str(lay.path), "key": lay.key} for lay in chain
+                ]
+                default_root = chain[-1].default_root
+                expected_upper: str | None = None
+            else:
+                target = "baseline"
+                if meta.baseline is None:
+                    msg = (
+                        f"sandbox {ref} has no recorded baseline (it was made by an older "
+                        "sandlot); reset it to a snapshot instead"
+                    )
+                    raise InvalidState(msg)
+                raw_layers = meta.baseline.get("layers")
+                lowers = (
+                    [dict(x) for x in raw_layers if isinstance(x, dict)]
+                    if isinstance(raw_layers, list)
+                    else []
+                )
+                default_root = bool(meta.baseline.get("default_root", True))
+                upper = meta.baseline.get("upper")
+                expected_upper = upper if isinstance(upper, str) else None
+            lower_check = await anyio.to_thread.run_sync(self._check_lowers, lowers)
+            checks.append(lower_check)
+            if not lower_check["ok"]:
+                raise _verification_error(ref, _report(target, checks, started))
+            await self._halt(d, meta)
+            meta.layers = lowers
+            meta.default_root = default_root
+            meta.pristine = None
+            await anyio.to_thread.run_sync(self._fresh_layer, d, meta)
+            meta.save(d / "meta.json")
+            halted = time.perf_counter()
+            await self._boot(d, meta, spec, keep_network=True)
+            booted = time.perf_counter()
+            state_checks, upper_digest = await self._check_running(d, meta, expected_upper)
+            checks.extend(state_checks)
+            report = _report(target, checks, started)
+            report["reset_ms"] = round((halted - started) * 1000, 2)
+            report["boot_ms"] = round((booted - halted) * 1000, 2)
+            meta.pristine = {"target": target, "upper": upper_digest, "at": time.time()}
+            meta.save(d / "meta.json")
+        if report["diverged"]:
+            raise _verification_error(ref, report)
+        return report
+
+    async def verify(self, ref: str) -> dict[str, JsonValue]:
+        """Check that a running sandbox is still as its last reset (or its create) left it.
+
+        The same checks as after :meth:`reset`, without changing anything: its lower layers,
+        its writable layer against the digest recorded then, the processes in its cgroup and
+        the runtime's record. A sandbox that ran commands since, or whose files the host
+        touched, fails it.
+
+        Raises:
+            VerificationFailed: a source disagreed (see :meth:`reset`).
+            InvalidState: the sandbox is not running.
+        """
+        started = time.perf_counter()
+        async with self._alock(ref):
+            d, meta = self._meta(ref)
+            if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
+                msg = f"sandbox {ref} is not running"
+                raise InvalidState(msg)
+            expected: str | None = None
+            target = "baseline"
+            if meta.pristine is not None:
+                upper = meta.pristine.get("upper")
+                expected = upper if isinstance(upper, str) else None
+                target = str(meta.pristine.get("target", target))
+            elif meta.baseline is not None and meta.baseline.get("layers") == meta.layers:
+                upper = meta.baseline.get("upper")
+                expected = upper if isinstance(upper, str) else None
+            checks: list[JsonValue] = [
+                await anyio.to_thread.run_sync(self._check_lowers, list(meta.layers))
+            ]
+            state_checks, _ = await self._check_running(d, meta, expected)
+            checks.extend(state_checks)
+        report = _report(target, checks, started)
+        if report["diverged"]:
+            raise _verification_error(ref, report)
+        return report
+
+    def _check_lowers(self, lowers: list[dict[str, JsonValue]]) -> dict[str, JsonValue]:
+        """Every lower layer is there; snapshot layers still match their manifests."""
+        keys = [str(lay.get("key", "")) for lay in lowers]
+        problems: list[str] = []
+        for lay in lowers:
+            path = Path(str(lay.get("path", "")))
+            if not path.is_dir():
+                problems.append(f"{lay.get('key')} is missing")
+                continue
+            if path.name == "layer" and path.parent.parent == self.state_dir / ".snapshots":
+                try:
+                    layers.verify(path.parent)
+                except BackendError as e:
+                    problems.append(e.message)
+        return _check("layers", ", ".join(keys), "; ".join(problems) or ", ".join(keys))
+
+    async def _check_running(
+        self, d: Path, meta: _Meta, expected_upper: str | None
+    ) -> tuple[list[JsonValue], str]:
+        """The checks of a booted sandbox (writable layer, processes, runtime); and the digest
+        of its writable layer."""
+        manifest = await anyio.to_thread.run_sync(self._describe_upper, d, meta)
+        strays = self._unexpected_upper(d, meta, manifest.entries)
+        if expected_upper is not None:
+            upper = _check("upper", expected_upper, manifest.digest)
+        else:
+            # No recorded digest to compare with (a snapshot target): the fresh layer may hold
+            # only what the runtime and the backend make at boot.
+            rule = "only the runtime's mount points"
+            upper = _check("upper", rule, rule if not strays else f"{len(strays)} other entries")
+            upper["digest"] = manifest.digest
+        if strays and not upper["ok"]:
+            upper["detail"] = ", ".join(strays[:10])
+        checks: list[JsonValue] = [upper]
+        rt = self._runtimes[meta.runtime]
+        init = meta.init[0] if meta.init is not None else 0
+        inside = await rt.inside_pids(meta.container)
+        if inside is not None:
+            # gVisor numbers the processes of its own kernel; the agent is its init.
+            checks.append(_check("processes", "[1]", json.dumps(inside)))
+        else:
+            found = self._cgroup_procs(meta.container)
+            checks.append(_check("processes", json.dumps([init]), json.dumps(found)))
+        state = rt.recorded_state(meta.container) or await rt.state(meta.container)
+        actual = "missing" if state is None else f"{state.status} pid {state.pid}"
+        checks.append(_check("runtime", f"running pid {init}", actual))
+        return checks, manifest.digest
+
+    def _unexpected_upper(
+        self, d: Path, meta: _Meta, entries: list[dict[str, object]]
+    ) -> list[str]:
+        """Entries of a freshly booted writable layer that the runtime or the backend did not
+        make: anything but empty mount points (files or directories) and the working
+        directory, owned by the sandbox's root."""
+        allowed: set[str] = set()
+        try:
+            mounts = json.loads((d / "config.json").read_text()).get("mounts", [])
+        except (OSError, ValueError):
+            mounts = []
+        targets = [str(m.get("destination", "")) for m in mounts if isinstance(m, dict)]
+        targets.append(str(meta.spec.get("workdir") or "/workspace"))
+        for target in targets:
+            parts = Path(target).parts[1:]
+            for i in range(1, len(parts) + 1):
+                allowed.add("/".join(parts[:i]))
+        strays = []
+        for e in entries:
+            empty = e["type"] == "d" or (e["type"] == "f" and e.get("size") == 0)
+            if str(e["path"]) not in allowed or not empty or e["uid"] != 0 or e["gid"] != 0:
+                strays.append(str(e["path"]))
+        return strays
+
+    def host_processes(self, ref: str) -> list[int]:
+        """Host pids of every process that runs for the sandbox: those in its cgroup (all of
+        them under crun; gVisor's sentry under runsc) plus the host processes the runtime left
+        beside them (gVisor's gofer). For accounting (memory, CPU); empty when stopped."""
+        _, meta = self._meta(ref)
+        pids = set(self._cgroup_procs(meta.container) or [])
+        for pid, start in meta.host_pids:
+            if process_alive(pid, start):
+                pids.add(pid)
+        return sorted(pids)
+
+    def _cgroup_procs(self, container: str) -> list[int] | None:
+        rel = self._cgroup_rel(container).lstrip("/")
+        for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+            try:
+                return sorted(
+                    int(x) for x in (Path(base) / rel / "cgroup.procs").read_text().split()
+                )
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError):
+                return None
+        return None
+
+    def _fresh_layer(self, d: Path, meta: _Meta) -> None:
+        """An empty writable layer; the old one is removed on a thread of its own."""
+        if meta.disk_mb is not None:
+            self._reset_layer(d, meta)
+            return
+        layer = d / "layer"
+        old = layer / f".old-{secrets.token_hex(4)}"
+        old.mkdir(mode=0o700)
+        for sub in ("upper", "work"):
+            with contextlib.suppress(FileNotFoundError):
+                (layer / sub).rename(old / sub)
+        self._make_layer(d, meta)
+        stale = sorted(layer.glob(".old-*"))
+        # Removing a big layer takes as long as it is big; nothing waits for it (destroy
+        # removes whatever is left with the sandbox's directory).
+        threading.Thread(
+            target=_remove_trees, args=(stale,), name="sandlot-reset-gc", daemon=True
+        ).start()
+
+    async def fork(
+        self, snapshot: SnapshotRef, sandbox_ids: list[str], spec: SandboxSpec
+    ) -> list[str]:
+        """One new sandbox per id from a snapshot, booted in parallel; their refs in order."""
+        runtime = self._validate(sandbox_ids[0] if sandbox_ids else "x", spec)
+        for sid in sandbox_ids:
+            self._validate(sid, spec)
+        chain, _ = await anyio.to_thread.run_sync(self._snapshot_layers, snapshot)
+        self._ensure_subreaper()
+        limiter = anyio.CapacityLimiter(max(2, (os.cpu_count() or 2) * 2))
+        failures: list[BaseException] = []
+
+        async def one(sid: str) -> None:
+            async with limiter:
+                try:
+                    await self._create_from(sid, spec, runtime, chain)
+                except Exception as e:  # collected and re-raised below
+                    failures.append(e)
+
+        async with anyio.create_task_group() as tg:
+            for sid in sandbox_ids:
+                tg.start_soon(one, sid)
+        if failures:
+            for sid in sandbox_ids:
+                with anyio.CancelScope(shield=True):
+                    await self.destroy(sid)
+            raise failures[0]
+        return list(sandbox_ids)
+
+    async def _create_from(
+        self, sandbox_id: str, spec: SandboxSpec, runtime: str, chain: list[Layer]
+    ) -> None:
+        d = self._dir(sandbox_id)
+        async with self._alock(sandbox_id):
+            if (d / "meta.json").exists():
+                await self._adopt(d, spec)
+                return
+            meta = await anyio.to_thread.run_sync(
+                self._provision, d, sandbox_id, f"sl-{sandbox_id}", runtime, spec, chain
+            )
+            try:
+                await self._boot(d, meta, spec, baseline=True)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._destroy_dir(d)
+                raise
+
+    async def delete_snapshot(self, snapshot: SnapshotRef) -> None:
+        """Remove a snapshot; a missing one is fine.
+
+        Sandboxes restored or forked from it mount its layer, so while any uses it the layer
+        stays (marked deleted: it can no longer be restored or forked) and goes with the last
+        of them.
+        """
+        sdir = self._snapshot_dir(snapshot.ref)
+        if not sdir.exists():
+            return
+        (sdir / "deleted").touch()
+        await anyio.to_thread.run_sync(self._gc_snapshots)
+
+    def _layers_in_use(self) -> set[str]:
+        used: set[str] = set()
+        for meta_path in self.state_dir.glob("*/meta.json"):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                used.update(str(lay["path"]) for lay in _Meta.load(meta_path).layers)
+        for meta_path in (self.state_dir / ".pool").glob("*/*/meta.json"):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                used.update(str(lay["path"]) for lay in _Meta.load(meta_path).layers)
+        for manifest in (self.state_dir / ".snapshots").glob("*/manifest.json"):
+            with contextlib.suppress(OSError, ValueError):
+                doc = json.loads(manifest.read_text())
+                used.update(str(lay["path"]) for lay in doc.get("base", []))
+        return used
+
+    def _gc_snapshots(self) -> None:
+        deleted = [p.parent for p in (self.state_dir / ".snapshots").glob("*/deleted")]
+        if not deleted:
+            return
+        # Removing one deleted snapshot may free the layer another deleted one sits on.
+        while deleted:
+            used = self._layers_in_use()
+            free = [sdir for sdir in deleted if str(sdir / "layer") not in used]
+            if not free:
+                return
+            for sdir in free:
+                shutil.rmtree(sdir, ignore_errors=True)
+                deleted.remove(sdir)
+
+    async def expose_port(self, ref: str, port: int) -> PortMapping:
+        """Publish a sandbox port on the host's loopback (needs the network service)."""
+        if self._networks is None:
+            msg = "publishing ports needs the network service; this sandbox has loopback only"
+            raise NotSupported(msg)
+        _, meta = self._meta(ref)
+        if meta.net_key is None:
+            msg = f"sandbox {ref} was made without the network service"
+            raise NotSupported(msg)
+        return await self._networks.expose_port(meta.net_key, port)
+
+    # ------------------------------------------------------------------ network control
+
+    def _net_key(self, ref: str) -> str:
+        _, meta = self._meta(ref)
+        if self._networks is None or meta.net_key is None:
+            msg = f"sandbox {ref} was made without the network service (loopback only)"
+            raise NotSupported(msg)
+        return meta.net_key
+
+    async def update_network(self, ref: str, policy: NetworkPolicy) -> None:
+        """Change a sandbox's egress policy (new connections follow it at once)."""
+        key = self._net_key(ref)
+        assert self._networks is not None
+        await self._networks.update_policy(key, policy)
+
+    def network_events(self, ref: str, offset: int = 0) -> tuple[list[dict[str, JsonValue]], int]:
+        """The egress proxy's decisions for this sandbox since byte ``offset``."""
+        key = self._net_key(ref)
+        assert self._networks is not None
+        events, nxt = self._networks.read_events(key, offset)
+        return [e.to_json() for e in events], nxt
+
+    def suggest_network(self, ref: str) -> NetworkAllowlist:
+        """The least-privilege allowlist covering what the sandbox connected to."""
+        key = self._net_key(ref)
+        assert self._networks is not None
+        return self._networks.suggest(key)
+
+    # ------------------------------------------------------------------ warm pool
+
+    def pool_sizes(self) -> dict[str, int]:
+        """The configured warm-pool size per isolation."""
+        return dict(self._pool_sizes)
+
+    def pooled(self, isolation: str = "namespaces") -> list[str]:
+        """Names of the pooled sandboxes ready to be claimed."""
+        pdir = self.state_dir / ".pool" / isolation
+        if not pdir.is_dir():
+            return []
+        return sorted(p.name for p in pdir.iterdir() if (p / "ready").exists())
+
+    async def fill_pool(self) -> None:
+        """Boot pooled sandboxes until each isolation has its configured count."""
+        self._ensure_subreaper()
+        async with self._fill_lock:
+            await self._fill_pool()
+
+    async def _fill_pool(self) -> None:
+        for isolation, size in self._pool_sizes.items():
+            runtime = ISOLATIONS[isolation]
+            if self._runtimes[runtime].available() or self.unavailable():
+                continue
+            missing = size - len(self.pooled(isolation))
+            if missing <= 0:
+                continue
+            async with anyio.create_task_group() as tg:
+                for _ in range(missing):
+                    tg.start_soon(self._pool_one, isolation, runtime)
+
+    async def _pool_one(self, isolation: str, runtime: str) -> None:
+        pdir = self.state_dir / ".pool" / isolation
+        pdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        name = f"{_POOL_PREFIX}{secrets.token_hex(6)}"
+        d = pdir / name
+        spec = SandboxSpec(network="deny-all", backend_options={"local": {"isolation": isolation}})
+        layer = await anyio.to_thread.run_sync(self._base_layer, spec)
+        meta = await anyio.to_thread.run_sync(
+            self._provision, d, name, name, runtime, spec, [layer]
+        )
+        if self._networks is not None:
+            meta.net_key = name
+            meta.save(d / "meta.json")
+        try:
+            await self._boot(d, meta, spec)
+            ready = self._ready.pop(name, None)
+            if ready is not None:
+                await ready.close()
+            (d / "ready").touch()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._destroy_dir(d)
+            raise
+
+    async def drain_pool(self) -> None:
+        """Destroy every pooled sandbox of this state directory."""
+        for pdir in (self.state_dir / ".pool").glob("*"):
+            for d in list(pdir.iterdir()):
+                await self._destroy_dir(d)
+
+    def _poolable(self, spec: SandboxSpec) -> str | None:
+        if spec.image is not None or spec.resources.disk_mb is not None:
+            return None
+        if self._networks is None and spec.network != "deny-all":
+            return None
+        isolation = str(spec.options_for("local").get("isolation", "namespaces"))
+        res = spec.resources
+        if isolation == "gvisor" and (res.memory_mb or res.pids or res.vcpus):
+            # gVisor sizes its kernel from the limits at boot (memory, RLIMIT_NPROC); they
+            # cannot be changed on a running sandbox the way cgroup files can.
+            return None
+        return isolation if self._pool_sizes.get(isolation) else None
+
+    async def _claim(self, sandbox_id: str, spec: SandboxSpec, runtime: str) -> bool:
+        isolation = self._poolable(spec)
+        if isolation is None:
+            return False
+        d = self._dir(sandbox_id)
+        claimed = False
+        for name in self.pooled(isolation):
+            src = self.state_dir / ".pool" / isolation / name
+            meta_path = src / "meta.json"
+            try:
+                meta = _Meta.load(meta_path)
+            except (OSError, ValueError, TypeError):
+                continue
+            if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
+                continue
+            if not _rename_noreplace(src, d):
+                if d.exists():
+                    break
+                continue
+            claimed = True
+            break
+        self._schedule_refill(isolation)
+        if not claimed:
+            return False
+        try:
+            meta = _Meta.load(d / "meta.json")
+            meta.sandbox_id = sandbox_id
+            meta.spec = spec.model_dump(mode="json")
+            with contextlib.suppress(FileNotFoundError):
+                (d / "ready").unlink()
+            await anyio.to_thread.run_sync(self._apply_resources, meta, spec)
+            if (
+                self._networks is not None
+                and meta.net_key is not None
+                and spec.network != "deny-all"
+            ):
+                await self._networks.update_policy(meta.net_key, spec.network)
+            if spec.workdir != "/workspace":
+                await anyio.to_thread.run_sync(
+                    self._ensure_workdir, self._mnt(meta.container) / "rootfs", meta
+                )
+            meta.baseline = {
+                "layers": [dict(lay) for lay in meta.layers],
+                "default_root": meta.default_root,
+                "upper": self._describe_upper(d, meta).digest,
+            }
+            meta.save(d / "meta.json")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._destroy_dir(d)
+            raise
+        return True
+
+    def _apply_resources(self, meta: _Meta, spec: SandboxSpec) -> None:
+        """Write the spec's limits into a claimed sandbox's cgroups (v1 or v2)."""
+        rel = self._cgroup_rel(meta.container).lstrip("/")
+        res = spec.resources
+        v1 = Path("/sys/fs/cgroup/memory").is_dir()
+        writes: list[tuple[Path, str]] = []
+        pids = str(res.pids or oci.DEFAULT_PIDS)
+        if v1:
+            if res.memory_mb is not None:
+                limit = str(res.memory_mb << 20)
+                mem = Path("/sys/fs/cgroup/memory") / rel
+                writes += [
+                    (mem / "memory.limit_in_bytes", limit),
+                    (mem / "memory.memsw.limit_in_bytes", limit),
+                ]
+            writes.append((Path("/sys/fs/cgroup/pids") / rel / "pids.max", pids))
+            if res.vcpus is not None:
+                cpu = Path("/sys/fs/cgroup/cpu") / rel
+                writes += [
+                    (cpu / "cpu.cfs_period_us", "100000"),
+                    (cpu / "cpu.cfs_quota_us", str(max(1000, int(res.vcpus * 100000)))),
+                ]
+        else:
+            base = Path("/sys/fs/cgroup") / rel
+            if res.memory_mb is not None:
+                writes += [
+                    (base / "memory.max", str(res.memory_mb << 20)),
+                    (base / "memory.swap.max", "0"),
+                ]
+            writes.append((base / "pids.max", pids))
+            if res.vcpus is not None:
+                writes.append((base / "cpu.max", f"{max(1000, int(res.vcpus * 100000))} 100000"))
+        for path, value in writes:
+            try:
+                path.write_text(value)
+            except OSError as e:
+                if path.name == "memory.memsw.limit_in_bytes" and e.errno in (
+                    errno.ENOENT,
+                    errno.EINVAL,
+                ):
+                    continue  # no swap accounting on this kernel: the memory limit alone holds
+                msg = f"cannot apply the limit {path.name}={value} to a claimed sandbox: {e}"
+                raise BackendError(msg) from e
+
+    def _schedule_refill(self, isolation: str) -> None:
+        if self._refill is None or isolation in self._refilling:
+            return
+        self._refilling.add(isolation)
+
+        async def refill() -> None:
+            size = self._pool_sizes.get(isolation, 0)
+            try:
+                # Claims made while a refill runs are covered by looping until full.
+                while len(self.pooled(isolation)) < size:
+                    await self.fill_pool()
+            except Exception:  # a failed refill only makes the next create cold
+                pass
+            finally:
+                self._refilling.discard(isolation)
+
+        self._refill.start_soon(refill)
+
+    @contextlib.asynccontextmanager
+    async def pool_refiller(self) -> AsyncIterator[LocalBackend]:
+        """Keep the pool topped up in the background while the block runs::
+
+        async with backend.pool_refiller():
+            ...  # creates claim pooled sandboxes; claimed ones are replaced
+        """
+        async with anyio.create_task_group() as tg:
+            self._refill = tg
+            tg.start_soon(self.fill_pool)
+            try:
+                yield self
+            finally:
+                self._refill = None
+                tg.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ teardown
+
+    async def aclose(self) -> None:
+        """Close cached connections and namespace fds (sandboxes keep running).
+
+        When no sandbox, pooled one or runtime state is left, the host directory under
+        ``/run/sandlot`` goes too.
+        """
+        ready, self._ready = list(self._ready.values()), {}
+        for ch in ready:
+            with contextlib.suppress(Exception):
+                await ch.close()
+        self._userns.close()
+        for rt in self._runtimes.values():
+            rt.close()
+        await anyio.to_thread.run_sync(self._remove_run_dir_if_unused)
+
+    def _remove_run_dir_if_unused(self) -> None:
+        run = self._run_root
+        busy = any(
+            d.is_dir() and any(d.iterdir()) for d in (run / "crun", run / "runsc", run / "mnt")
+        )
+        if busy or any(p.is_dir() for p in (self.state_dir / ".pool").glob("*/*")):
+            return
+        if any((p / "meta.json").is_file() for p in self.state_dir.iterdir()):
+            return
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _remove_trees(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _check(source: str, expected: str, actual: str) -> dict[str, JsonValue]:
+    return {"source": source, "expected": expected, "actual": actual, "ok": expected == actual}
+
+
+def _report(target: str, checks: list[JsonValue], started: float) -> dict[str, JsonValue]:
+    diverged: list[JsonValue] = [
+        c["source"] for c in checks if isinstance(c, dict) and not c.get("ok")
+    ]
+    return {
+        "ok": not diverged,
+        "target": target,
+        "diverged": diverged,
+        "duration_ms": round((time.perf_counter() - started) * 1000, 2),
+        "checks": checks,
+    }
+
+
+def _verification_error(ref: str, report: dict[str, JsonValue]) -> VerificationFailed:
+    diverged = report.get("diverged")
+    names = [str(x) for x in diverged] if isinstance(diverged, list) else []
+    return VerificationFailed(
+        f"local sandbox {ref} differs from {report.get('target')} in: {', '.join(names)}",
+        verification=report,
+        diverged=names,
+    )
+
+
+def _describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"
+
+
+def _bind_unix(sock: socket.socket, path: Path) -> None:
+    """Bind a unix socket at ``path`` even when the path is longer than ``sun_path`` allows."""
+    raw = os.fsencode(path)
+    if len(raw) < 100:
+        sock.bind(raw)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sock.bind(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)
+
+
+def _open_socket_path(path: Path) -> int | None:
+    """An O_PATH fd of the socket at ``path``, refusing anything that is not a socket.
+
+    The directory holding a gVisor sandbox's socket is writable from inside; opening without
+    following symlinks and checking the type pins the inode we then connect to, so a planted
+    symlink can never make the host connect somewhere else.
+    """
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _check_run(argv: list[str], what: str) -> None:
+    try:
+        proc = subprocess.run(argv, capture_output=True, check=False)
+    except FileNotFoundError as e:
+        msg = f"cannot {what}: {argv[0]} is missing"
+        raise BackendUnavailable(msg) from e
+    if proc.returncode != 0:
+        msg = f"cannot {what}: {proc.stderr.decode(errors='replace').strip()}"
+        raise BackendError(msg)

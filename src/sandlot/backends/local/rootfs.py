@@ -1,0 +1,437 @@
+"""Root filesystems of local sandboxes: the default skeleton and the image cache.
+
+Every layer this module produces is a directory stored with container-relative ownership (root
+is uid 0) and never written after it is published: the backend shows it to each sandbox through
+an id-mapped, read-only mount as an overlay lower layer. Layers are built in a temporary
+directory and renamed into place, so concurrent builders (several processes, several homes
+sharing the cache) never see half a layer; the loser of the race throws its copy away.
+
+- The *default root* is a small skeleton: ``bin``/``lib*``/``sbin`` links into ``/usr`` (the
+  host's ``/usr`` is bound read-only on top by the backend), an ``/etc`` generated for the
+  sandbox (passwd, group, hosts, hostname, resolv.conf, nsswitch.conf) plus a copy of the few
+  host ``/etc`` entries that programs in ``/usr`` need to work (the alternatives links, the
+  dynamic loader's cache, the Python and TLS configuration; never a secret), and empty
+  ``/tmp``, ``/home``, ``/root``, ``/workspace``, ``/var`` directories.
+- An *image* is a directory, a rootfs tarball (``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.xz``,
+  ``.tar.zst``) or an OCI image layout (``oci:PATH:TAG``, unpacked with ``umoci``). It is
+  copied or unpacked once into ``<cache>/local/images/<key>``, keyed by its content.
+
+This module imports only :mod:`sandlot.errors` and the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest
+
+__all__ = ["HOSTNAME", "Layer", "RootfsCache"]
+
+HOSTNAME = "sandbox"
+_SKELETON_VERSION = "1"
+
+# Host /etc entries that programs under /usr rely on; copied (not bound) so the sandbox can
+# replace them in its own layer. Nothing here holds a secret (no shadow, keys, machine-id).
+_HOST_ETC = (
+    "alternatives",
+    "bash.bashrc",
+    "ca-certificates.conf",
+    "debian_version",
+    "environment",
+    "ethertypes",
+    "gai.conf",
+    "host.conf",
+    "inputrc",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "login.defs",
+    "magic",
+    "magic.mime",
+    "mime.types",
+    "networks",
+    "os-release",
+    "profile",
+    "profile.d",
+    "protocols",
+    "services",
+    "shells",
+    "ssl/certs",
+    "ssl/openssl.cnf",
+    "timezone",
+)
+_HOST_ETC_GLOBS = ("python3*", "perl")
+
+_PASSWD = """\
+root:x:0:0:root:/root:/bin/sh
+daemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin
+bin:x:2:2:bin:/bin:/usr/sbin/nologin
+sys:x:3:3:sys:/dev:/usr/sbin/nologin
+user:x:1000:1000:sandbox user:/home/user:/bin/sh
+nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
+"""
+_GROUP = """\
+root:x:0:
+daemon:x:1:
+bin:x:2:
+sys:x:3:
+adm:x:4:
+tty:x:5:
+users:x:100:
+user:x:1000:
+nogroup:x:65534:
+"""
+_HOSTS = f"""\
+127.0.0.1\tlocalhost {HOSTNAME}
+::1\tlocalhost ip6-localhost ip6-loopback {HOSTNAME}
+"""
+_NSSWITCH = """\
+passwd:    files
+group:     files
+shadow:    files
+hosts:     files dns
+networks:  files
+protocols: files
+services:  files
+"""
+_RESOLV_NONE = "# sandlot: this sandbox has no outbound network\n"
+
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.zst", ".tar.zstd", ".tzst")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A read-only root filesystem layer ready to be an overlay lower directory."""
+
+    path: Path
+    """The directory holding the files."""
+    key: str
+    """Its content key."""
+    env: list[str] = field(default_factory=list)
+    """Environment the image asks for (``NAME=value``), from an OCI image config."""
+    default_root: bool = False
+    """True for the default skeleton (the host's ``/usr`` goes on top of it)."""
+
+
+def _digest(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else p)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+class RootfsCache:
+    """Builds and finds layers under ``<cache>/local``."""
+
+    def __init__(self, cache: Path, *, host_root: Path = Path("/")) -> None:
+        """Args:
+        cache: the shared cache directory (``sandlot.config.cache_dir()``).
+        host_root: where the host's ``/etc`` and ``/usr`` are read from (tests use ``/``).
+        """
+        self.root = cache / "local"
+        self.host_root = host_root
+        for sub in ("images", "skeletons", "tmp", "by-file"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._skeleton: Layer | None = None
+
+    # ------------------------------------------------------------------ the default root
+
+    def skeleton(self) -> Layer:
+        """The default-root skeleton for this host, built on first use."""
+        if self._skeleton is None:
+            inputs = self._host_etc_inputs()
+            key = _digest(_SKELETON_VERSION, _PASSWD, _GROUP, _HOSTS, _NSSWITCH, *inputs)[:32]
+            dest = self.root / "skeletons" / key
+            if not dest.is_dir():
+                self._publish(dest, self._build_skeleton)
+            self._skeleton = Layer(dest, f"skeleton:{key}", default_root=True)
+        return self._skeleton
+
+    def _host_etc_entries(self) -> list[Path]:
+        etc = self.host_root / "etc"
+        found = [etc / name for name in _HOST_ETC if os.path.lexists(etc / name)]
+        for pattern in _HOST_ETC_GLOBS:
+            found.extend(sorted(etc.glob(pattern)))
+        return found
+
+    def _host_etc_inputs(self) -> list[str]:
+        # Every process's first create computes this (hundreds of CA certificate links), so it
+        # works on strings: pathlib objects made it take 15 ms.
+        out = []
+        for top in self._host_etc_entries():
+            paths = [str(top)]
+            if top.is_dir() and not top.is_symlink():
+                paths.extend(_walk_str(str(top)))
+            for path in paths:
+                st = os.lstat(path)
+                link = stat.S_ISLNK(st.st_mode)
+                extra = os.readlink(path) if link else str(st.st_size)  # noqa: PTH115 - see above
+                out.append(f"{path}:{st.st_mode}:{st.st_mtime_ns}:{extra}")
+        return out
+
+    def _build_skeleton(self, dest: Path) -> None:
+        host = self.host_root
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            src = host / name
+            if src.is_symlink():
+                (dest / name).symlink_to(src.readlink())
+            elif src.is_dir():
+                # Not a merged-/usr host: the backend binds these directories too.
+                (dest / name).mkdir()
+        for name, mode in (
+            ("usr", 0o755),
+            ("etc", 0o755),
+            ("tmp", 0o1777),
+            ("home", 0o755),
+            ("home/user", 0o755),
+            ("root", 0o700),
+            ("workspace", 0o755),
+            ("var", 0o755),
+            ("var/tmp", 0o1777),
+            ("var/log", 0o755),
+            ("var/cache", 0o755),
+            ("var/lib", 0o755),
+            ("run", 0o755),
+            ("mnt", 0o755),
+            ("opt", 0o755),
+            ("srv", 0o755),
+            ("proc", 0o555),
+            ("sys", 0o555),
+            ("dev", 0o755),
+            (".sandlot", 0o755),
+        ):
+            (dest / name).mkdir(exist_ok=True)
+            (dest / name).chmod(mode)
+        os.chown(dest / "home" / "user", 1000, 1000)
+        etc = dest / "etc"
+        for top in self._host_etc_entries():
+            rel = top.relative_to(host / "etc")
+            target = etc / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if top.is_symlink() or not top.is_dir():
+                _copy_entry(top, target)
+            else:
+                shutil.copytree(top, target, symlinks=True, copy_function=_copy_entry)
+        for name, text in (
+            ("passwd", _PASSWD),
+            ("group", _GROUP),
+            ("hosts", _HOSTS),
+            ("hostname", HOSTNAME + "\n"),
+            ("nsswitch.conf", _NSSWITCH),
+            ("resolv.conf", _RESOLV_NONE),
+            ("mtab", None),
+        ):
+            path = etc / name
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            if text is None:
+                path.symlink_to("../proc/self/mounts")
+            else:
+                path.write_text(text)
+                path.chmod(0o644)
+        _canonical_owner(dest)
+
+    # ------------------------------------------------------------------ images
+
+    def image(self, ref: str) -> Layer:
+        """The layer for ``spec.image``: unpacked into the cache on first use.
+
+        Raises:
+            InvalidRequest: ``ref`` names nothing usable.
+            BackendUnavailable: a tool the format needs (``umoci``, ``zstd``) is missing.
+        """
+        if ref.startswith("oci:"):
+            return self._oci(ref)
+        path = Path(ref).expanduser()
+        if not path.is_absolute():
+            msg = f"spec.image must be an absolute path or oci:PATH:TAG, got {ref!r}"
+            raise InvalidRequest(msg)
+        if path.is_dir():
+            return self._directory(path)
+        if path.is_file():
+            if not path.name.endswith(_TAR_SUFFIXES):
+                msg = f"spec.image {ref!r} is a file but not a tarball ({', '.join(_TAR_SUFFIXES)})"
+                raise InvalidRequest(msg)
+            return self._tarball(path)
+        msg = f"spec.image {ref!r} does not exist"
+        raise InvalidRequest(msg)
+
+    def _directory(self, path: Path) -> Layer:
+        # Keyed by a walk of names, owners, modes, sizes and mtimes: cheap next to copying, and
+        # a changed directory gets a new layer instead of corrupting running sandboxes.
+        h = hashlib.sha256(b"dir\0")
+        for entry in [path, *_walk(path)]:
+            st = entry.lstat()
+            extra = str(entry.readlink()) if entry.is_symlink() else ""
+            h.update(
+                f"{entry.relative_to(path)}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0"
+                f"{st.st_size}\0{st.st_mtime_ns}\0{extra}\n".encode(errors="surrogateescape")
+            )
+        key = h.hexdigest()[:32]
+        dest = self.root / "images" / key
+
+        def build(tmp: Path) -> None:
+            tmp.rmdir()
+            _run(["cp", "-a", "--reflink=auto", str(path), str(tmp)], f"copy {path}")
+
+        if not dest.is_dir():
+            self._publish(dest, build)
+        return Layer(dest, f"dir:{key}")
+
+    def _tarball(self, path: Path) -> Layer:
+        st = path.stat()
+        file_key = _digest("file", str(path.resolve()), str(st.st_size), str(st.st_mtime_ns))
+        pointer = self.root / "by-file" / file_key
+        try:
+            key = pointer.read_text().strip()
+        except FileNotFoundError:
+            h = hashlib.sha256(b"tar\0")
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            key = h.hexdigest()[:32]
+            _write_atomic(pointer, key)
+        dest = self.root / "images" / key
+        if not dest.is_dir():
+            name = path.name
+            argv = ["tar", "-x", "--numeric-owner", "-p", "-f", str(path)]
+            if name.endswith((".tar.zst", ".tar.zstd", ".tzst")):
+                if shutil.which("zstd") is None:
+                    msg = "unpacking a .tar.zst image needs zstd (Debian package zstd)"
+                    raise BackendUnavailable(msg)
+                argv.insert(2, "--zstd")
+
+            def build(tmp: Path) -> None:
+                _run([*argv, "-C", str(tmp)], f"unpack {path}")
+
+            self._publish(dest, build)
+        return Layer(dest, f"tar:{key}")
+
+    def _oci(self, ref: str) -> Layer:
+        body = ref[len("oci:") :]
+        layout, sep, tag = body.rpartition(":")
+        if not sep or not layout or not tag:
+            msg = f"spec.image {ref!r} must look like oci:PATH:TAG"
+            raise InvalidRequest(msg)
+        index_path = Path(layout) / "index.json"
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError) as e:
+            msg = f"spec.image {ref!r}: {index_path} is not an OCI image index ({e})"
+            raise InvalidRequest(msg) from e
+        digest = None
+        for m in index.get("manifests", []):
+            if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == tag:
+                digest = m.get("digest")
+        if not isinstance(digest, str):
+            msg = f"spec.image {ref!r}: no tag {tag!r} in {index_path}"
+            raise InvalidRequest(msg)
+        key = _digest("oci", digest)[:32]
+        dest = self.root / "images" / key
+        env_file = self.root / "images" / f"{key}.env.json"
+        if not dest.is_dir():
+            if shutil.which("umoci") is None:
+                msg = "OCI image layouts need umoci (Debian package umoci)"
+                raise BackendUnavailable(msg)
+            env_holder: list[list[str]] = []
+
+            def build(tmp: Path) -> None:
+                bundle = tmp.parent / (tmp.name + ".bundle")
+                try:
+                    _run(
+                        ["umoci", "unpack", "--image", f"{layout}:{tag}", str(bundle)],
+                        f"unpack {ref}",
+                    )
+                    config = json.loads((bundle / "config.json").read_text())
+                    env_holder.append(list(config.get("process", {}).get("env", [])))
+                    tmp.rmdir()
+                    (bundle / "rootfs").rename(tmp)
+                finally:
+                    shutil.rmtree(bundle, ignore_errors=True)
+
+            self._publish(dest, build)
+            if env_holder:
+                _write_atomic(env_file, json.dumps(env_holder[0]))
+        env: list[str] = []
+        with contextlib.suppress(OSError, ValueError):
+            loaded = json.loads(env_file.read_text())
+            env = [e for e in loaded if isinstance(e, str)]
+        return Layer(dest, f"oci:{key}", env=env)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _publish(self, dest: Path, build: object) -> None:
+        assert callable(build)
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=self.root / "tmp"))
+        try:
+            build(tmp)
+            tmp.chmod(0o755)
+            try:
+                tmp.rename(dest)
+            except OSError:
+                if not dest.is_dir():
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _walk(top: Path) -> list[Path]:
+    return [Path(p) for p in _walk_str(str(top))]
+
+
+def _walk_str(top: str) -> list[str]:
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames.sort()
+        out.extend(f"{dirpath}/{d}" for d in dirnames)
+        out.extend(f"{dirpath}/{f}" for f in sorted(filenames))
+    return out
+
+
+def _copy_entry(src: str | Path, dst: str | Path) -> None:
+    src, dst = Path(src), Path(dst)
+    if src.is_symlink():
+        dst.symlink_to(src.readlink())
+    elif src.is_file():
+        shutil.copy2(src, dst)
+    # Sockets, fifos and devices have no place in a generated /etc.
+
+
+def _canonical_owner(top: Path) -> None:
+    # The skeleton's files are host-root owned copies; a layer stores container-relative
+    # owners, and root is 0 on both sides, so only non-root owners would need a shift.
+    os.lchown(top, 0, 0)
+    for path in _walk(top):
+        st = path.lstat()
+        if st.st_uid not in (0, 1000):
+            os.lchown(path, 0, 0)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _run(argv: list[str], what: str) -> None:
+    try:
+        proc = subprocess.run(argv, capture_output=True, check=False)
+    except FileNotFoundError as e:
+        msg = f"cannot {what}: {argv[0]} is missing"
+        raise BackendUnavailable(msg) from e
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip()[-2000:]
+        msg = f"cannot {what}: {err or f'{argv[0]} exited {proc.returncode}'}"
+        raise BackendError(msg)

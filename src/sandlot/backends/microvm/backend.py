@@ -1,0 +1,1194 @@
+"""The ``microvm`` backend: one QEMU ``-M microvm`` guest per sandbox.
+
+This module owns the sandbox lifecycle on QEMU: create from a booted template, stop/start with
+memory, snapshot/restore/fork, destroy, and reset with verification. It never touches the store
+and imports nothing above :mod:`sandlot.channel`.
+
+State directory layout (everything another process needs to find a VM again)::
+
+    vms/<sandbox_id>/        one VM (the ref is the sandbox id)
+        vm.json              machine config + the baseline that reset returns to
+        disk.qcow2           the VM's own overlay (backing file: the image's root disk)
+        mem.bin              the memory of a stopped VM (present only while stopped)
+        qemu.pid qmp.sock agent.sock serial.log   (see qemu.py)
+    templates/<fingerprint>/ one booted template per machine config (image + memory + vcpus)
+        ram.img              the template's guest RAM, a file QEMU maps
+        state.bin            the device state (migrated with x-ignore-shared, ~60 KB)
+        disk.qcow2           the template's overlay at the instant it was paused
+        template.json        the baseline: disk hash, guest fd count, VMM state
+    snapshots/<snapshot_id>/ mem.bin (full migration stream), disk.qcow2, snapshot.json
+    pool/<fingerprint>/pool-*/  warm VMs (restored, clock set, exec path warmed) to claim
+    boot-stats.json          cold boots and how many needed the retry after a hang
+
+How a clone stays consistent with its template. The template boots once, the agent answers,
+the guest runs ``sync``, our agent connection closes, then QEMU is paused and its device state
+migrated while its RAM stays in ``ram.img`` (the ``x-ignore-shared`` capability skips RAM that
+is a shared file mapping). The template's overlay is copied at that instant, and that frozen
+copy is what the template's memory "saw". Every clone gets its own copy of that frozen overlay
+(a few hundred KB), maps ``ram.img`` privately (``share=off``: copy-on-write, so clones never
+write into it and share its unmodified pages in the host page cache) and loads the device state.
+The template files are written once and never changed: a private mapping would see later changes
+to the file. A VM restored from a full migration stream (stop/start, snapshots) uses anonymous
+RAM instead; both name their RAM block ``ram``, so streams move between the two.
+
+Reset returns a VM to its baseline (the template for a fresh VM, the snapshot it was last
+restored from otherwise) and verifies three independent sources against what was recorded when
+that baseline was made: the SHA-256 of the overlay file (checked while the restored VM is still
+paused, so the guest cannot have written), QEMU's run state (``query-status``), and the number
+of open file descriptors in the guest (asked over the agent). Any disagreement raises
+:class:`ResetVerificationFailed` naming the source; there is no quorum.
+
+Guest clock: a restored guest's clock resumes from when its memory was saved, so every restore
+sets it with one ``date -s`` exec (which also pays TCG's translation warm-up, so the caller's
+first exec is warm). Under TCG that exec dominates a create; a warm pool (``pool_size``) moves
+it out of the create path: create then renames a ready VM's directory (a few ms).
+
+Agent connections: QEMU's socket for the virtio-serial port serves one host connection at a
+time, and the guest only learns that the host hung up when its read returns end-of-file. The
+connection an operation ends with is therefore handed to the next :meth:`channel` call of the
+same object instead of being closed and reopened, and :meth:`_open_channel` retries the
+handshake when it lands in the agent's stale session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Final, Literal, final
+
+import anyio
+
+from sandlot import config
+from sandlot.backends.base import BackendState, Capabilities, DoctorCheck, SnapshotRef
+from sandlot.backends.microvm import qemu
+from sandlot.backends.microvm.image import ImagePaths, load_image, resolve_image
+from sandlot.backends.microvm.qmp import QmpClient, connect_unix
+from sandlot.channel.base import Channel
+from sandlot.channel.client import connect_stream
+from sandlot.errors import (
+    BackendError,
+    BackendUnavailable,
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    NotSupported,
+    SandboxError,
+    SandboxTimeout,
+    VerificationFailed,
+)
+from sandlot.models import JsonValue, PortMapping, SandboxSpec
+
+__all__ = [
+    "DEFAULT_MEMORY_MB",
+    "MicrovmBackend",
+    "ResetVerificationFailed",
+    "VerificationCheck",
+    "VerificationReport",
+]
+
+DEFAULT_MEMORY_MB: Final = 512
+"""Guest memory when ``resources.memory_mb`` is unset."""
+
+_WORKDIR: Final = "/workspace"
+
+# Counts every open descriptor of every process except the counting shell itself, with shell
+# builtins only (no pipeline whose other half may or may not have started: that raced).
+_FD_COUNT_SCRIPT: Final = (
+    'cd /proc; n=0; for p in [0-9]*; do [ "$p" = "$$" ] && continue; '
+    'for f in "$p"/fd/*; do { [ -e "$f" ] || [ -L "$f" ]; } && n=$((n+1)); done; done; echo "$n"'
+)
+
+
+class ResetVerificationFailed(VerificationFailed):
+    """A reset (or verify) found the sandbox different from its baseline.
+
+    ``details["verification"]`` is the report as JSON data; ``details["diverged"]`` lists the
+    sources that disagreed (``disk``, ``vmm``, ``guest_fds``).
+    """
+
+
+@dataclass(frozen=True)
+class VerificationCheck:
+    """One source compared against its baseline."""
+
+    source: Literal["disk", "vmm", "guest_fds"]
+    expected: str
+    actual: str
+
+    @property
+    def ok(self) -> bool:
+        """True when the source matches its baseline."""
+        return self.expected == self.actual
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    """The outcome of a verification: every source, whether it matched, and how long it took."""
+
+    checks: tuple[VerificationCheck, ...]
+    duration_ms: float
+    restore_ms: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every source matched."""
+        return all(c.ok for c in self.checks)
+
+    @property
+    def diverged(self) -> list[str]:
+        """The sources that did not match."""
+        return [c.source for c in self.checks if not c.ok]
+
+    def to_dict(self) -> dict[str, JsonValue]:
+        """The report as JSON data."""
+        return {
+            "ok": self.ok,
+            "diverged": list(self.diverged),
+            "duration_ms": round(self.duration_ms, 2),
+            "restore_ms": round(self.restore_ms, 2),
+            "checks": [{**asdict(c), "ok": c.ok} for c in self.checks],
+        }
+
+
+@dataclass
+class _Baseline:
+    kind: Literal["template", "snapshot"]
+    dir: str
+    disk_sha256: str
+    fd_count: int
+    vmm_status: str = "running"
+
+
+@dataclass
+class _VmRecord:
+    sandbox_id: str
+    image: str
+    memory_mb: int
+    vcpus: int
+    accel: Literal["kvm", "tcg"]
+    baseline: _Baseline | None = None
+    created_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def load(cls, path: Path) -> _VmRecord:
+        raw = json.loads(path.read_text())
+        base = raw.pop("baseline", None)
+        return cls(**raw, baseline=_Baseline(**base) if base else None)
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".part")
+    shutil.copyfile(src, tmp)
+    tmp.replace(dst)
+
+
+@contextlib.asynccontextmanager
+async def _flock(path: Path) -> AsyncIterator[None]:
+    """An exclusive lock between processes (the CLI is one process per command)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            await anyio.to_thread.run_sync(fcntl.flock, fd, fcntl.LOCK_EX, abandon_on_cancel=True)
+        yield
+    finally:
+        os.close(fd)
+
+
+@final
+class MicrovmBackend:
+    """Sandboxes as QEMU microVMs with a guest agent over virtio-serial.
+
+    Args:
+        state_dir: Where VMs, templates and snapshots live (``backend_dir(home, "microvm")``).
+        cache_dir: The image cache root; default :func:`sandlot.config.cache_dir`.
+        image: The default image; default the newest built one (built on first use).
+        boot_timeout: Seconds a cold boot may take to reach the agent before it is retried
+            once (a TCG boot hangs now and then; the retry is counted in ``boot-stats.json``).
+        restore_timeout: Seconds a restore from memory may take to reach the agent.
+        pool_size: How many restored, clock-set and warmed-up VMs to keep ready per machine
+            config (0: none). A create then claims one by renaming its directory, and a
+            detached process refills the pool. Each costs an idle VM's host memory.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        cache_dir: Path | None = None,
+        image: ImagePaths | None = None,
+        boot_timeout: float = 45.0,
+        restore_timeout: float = 30.0,
+        pool_size: int = 0,
+    ) -> None:
+        self._root = state_dir.absolute()
+        self._cache = cache_dir or config.cache_dir()
+        self._image = image
+        self._boot_timeout = boot_timeout
+        self._restore_timeout = restore_timeout
+        self._pool_size = max(0, pool_size)
+        self._accel: qemu.AccelDecision | None = None
+        # The agent connection an operation ended with, handed to the next channel() call:
+        # reconnecting right after a close can hit the agent's stale session (see
+        # _open_channel), which costs a handshake retry.
+        self._handover: dict[str, Channel] = {}
+        for sub in ("vms", "templates", "snapshots", "pool"):
+            (self._root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    # ----------------------------------------------------------------- protocol basics
+
+    @property
+    def name(self) -> str:
+        """``microvm``."""
+        return "microvm"
+
+    def capabilities(self) -> Capabilities:
+        """A VM per sandbox: no network, whole vCPUs and guest memory, memory-keeping stop."""
+        return Capabilities(
+            network=frozenset({"deny-all"}),
+            limits=frozenset({"vcpus", "memory_mb"}),
+            pause_memory=True,
+            snapshot=True,
+            fork=True,
+            ports=False,
+            images=True,
+            reset=True,
+            isolation="vm",
+        )
+
+    async def aclose(self) -> None:
+        """Close the agent connections this object holds (the VMs keep running)."""
+        for ref in list(self._handover):
+            await self._drop(ref)
+
+    def _keep(self, ref: str, channel: Channel) -> None:
+        self._handover[ref] = channel
+
+    async def _drop(self, ref: str) -> None:
+        channel = self._handover.pop(ref, None)
+        if channel is not None:
+            with contextlib.suppress(SandboxError, OSError):
+                await channel.close()
+
+    async def _agent(self, ref: str, vm_dir: Path) -> Channel:
+        """This process's connection to the VM's agent, opened if needed.
+
+        QEMU's agent socket serves one client at a time, so every user in this process (the
+        channels handed out, snapshots, resets) shares one multiplexed connection instead of
+        queueing behind each other. Closing a handed-out channel closes it for all; the next
+        call here reconnects.
+        """
+        channel = self._handover.get(ref)
+        if channel is not None and not getattr(channel, "closed", False):
+            return channel
+        channel = await self._open_channel(vm_dir, self._restore_timeout)
+        self._handover[ref] = channel
+        return channel
+
+    # ----------------------------------------------------------------- helpers
+
+    def _vm_dir(self, ref: str) -> Path:
+        if not ref or "/" in ref or ref.startswith("."):
+            msg = f"not a microvm ref: {ref!r}"
+            raise InvalidRequest(msg)
+        return self._root / "vms" / ref
+
+    def _record(self, ref: str) -> _VmRecord:
+        path = self._vm_dir(ref) / "vm.json"
+        try:
+            return _VmRecord.load(path)
+        except FileNotFoundError:
+            msg = f"no microvm sandbox {ref}"
+            raise NotFound(msg) from None
+        except (ValueError, TypeError) as e:
+            msg = f"the record of microvm {ref} is unreadable: {e}"
+            raise BackendError(msg) from e
+
+    def _default_image(self) -> ImagePaths:
+        if self._image is None:
+            self._image = resolve_image(None, self._cache)
+        return self._image
+
+    def _accel_for(self, image: ImagePaths) -> Literal["kvm", "tcg"]:
+        if self._accel is None:
+            self._accel = qemu.decide_accel(image, self._cache)
+        return self._accel.mode
+
+    def _machine(self, rec: _VmRecord) -> qemu.MachineConfig:
+        return qemu.MachineConfig(load_image(Path(rec.image)), rec.memory_mb, rec.vcpus, rec.accel)
+
+    def _check_spec(self, spec: SandboxSpec) -> None:
+        if spec.network != "deny-all":
+            msg = "the microvm backend enforces only network='deny-all' (the guest has no NIC)"
+            raise NotSupported(
+                msg,
+                field="network",
+            )
+        if spec.ports:
+            msg = "the microvm backend cannot expose ports"
+            raise NotSupported(msg, field="ports")
+        res = spec.resources
+        for name in ("pids", "disk_mb"):
+            if getattr(res, name) is not None:
+                msg = f"the microvm backend does not enforce resources.{name}"
+                raise NotSupported(msg)
+
+    def _machine_for(self, spec: SandboxSpec) -> qemu.MachineConfig:
+        image = resolve_image(spec.image, self._cache) if spec.image else self._default_image()
+        memory = spec.resources.memory_mb or DEFAULT_MEMORY_MB
+        if memory < 128:
+            msg = "resources.memory_mb must be at least 128 for a microvm"
+            raise InvalidRequest(msg)
+        return qemu.MachineConfig(
+            image, memory, qemu.vcpus_for(spec.resources.vcpus), self._accel_for(image)
+        )
+
+    async def _qmp(self, vm_dir: Path) -> QmpClient:
+        return await QmpClient.connect(vm_dir / qemu.QMP_SOCKET)
+
+    async def _wait_loaded(self, q: QmpClient, timeout: float) -> str:
+        """Wait until an incoming migration finished; the resulting run state."""
+        with anyio.fail_after(timeout):
+            while True:
+                status = await q.status()
+                if status != "inmigrate":
+                    break
+                await anyio.sleep(0.002)
+        if status not in ("paused", "running"):
+            info = await q.execute("query-migrate")
+            msg = f"restoring the VM left it {status!r}: {info}"
+            raise BackendError(msg)
+        return status
+
+    async def _open_channel(self, vm_dir: Path, timeout: float) -> Channel:
+        """Connect to the guest agent; returns once its HELLO arrived.
+
+        The handshake is retried on a fresh connection: over virtio-serial the guest cannot
+        tell two host connections apart unless it read end-of-file in between, so a HELLO sent
+        right after an earlier connection closed can land in the agent's stale session (it
+        answers with a protocol error and starts over), and bytes sent while the guest has the
+        port closed are dropped. Each retry closes, lets the agent see the hang-up, and says
+        HELLO again.
+        """
+        deadline = anyio.current_time() + timeout
+        attempt_timeout = 1.0
+        last: Exception | None = None
+        while True:
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0:
+                break
+            try:
+                stream = await connect_unix(vm_dir / qemu.AGENT_SOCKET)
+            except OSError as e:
+                if not qemu.is_running(vm_dir):
+                    msg = f"microvm {vm_dir.name} exited; console: {_serial_tail(vm_dir)}"
+                    raise BackendError(msg) from e
+                last = e
+                await anyio.sleep(0.02)
+                continue
+            try:
+                return await connect_stream(stream, timeout=min(attempt_timeout, remaining))
+            except SandboxError as e:
+                last = e
+            if not qemu.is_running(vm_dir):
+                msg = f"microvm {vm_dir.name} exited; console: {_serial_tail(vm_dir)}"
+                raise BackendError(msg) from last
+            attempt_timeout = min(attempt_timeout * 2, 8.0)
+            await anyio.sleep(0.05)
+        msg = f"the guest agent in {vm_dir.name} did not answer within {timeout:.0f} s: {last}"
+        raise SandboxTimeout(msg) from last
+
+    async def _guest_sh(self, channel: Channel, script: str, timeout: float = 30.0) -> str:
+        result = await channel.exec(["/bin/sh", "-c", script], timeout=timeout)
+        if result.exit_code != 0:
+            msg = f"guest command failed (exit {result.exit_code}): {result.stderr.strip()[-300:]}"
+            raise BackendError(msg)
+        return result.stdout
+
+    async def _fd_count(self, channel: Channel, *, then_sync_clock: bool = False) -> int:
+        script = _FD_COUNT_SCRIPT
+        if then_sync_clock:
+            # One round trip instead of two; the clock is set after the count is taken.
+            script += f"; date -s @{time.time():.6f} >/dev/null"
+        out = await self._guest_sh(channel, script)
+        try:
+            return int(out.strip())
+        except ValueError:
+            msg = f"the guest fd count is not a number: {out!r}"
+            raise BackendError(msg) from None
+
+    async def _sync_clock(self, channel: Channel) -> None:
+        # A restored guest's clock resumes from the instant its memory was saved.
+        await self._guest_sh(channel, f"date -s @{time.time():.6f} >/dev/null")
+
+    def _note_boot(self, *, retried: bool) -> None:
+        path = self._root / "boot-stats.json"
+        try:
+            stats = json.loads(path.read_text())
+        except (OSError, ValueError):
+            stats = {"boots": 0, "retries": 0}
+        stats["boots"] += 1
+        stats["retries"] += int(retried)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stats))
+        tmp.replace(path)
+
+    async def _cold_boot(
+        self, vm_dir: Path, machine: qemu.MachineConfig, disk: Path, ram: list[str]
+    ) -> Channel:
+        """Boot from the disk until the agent answers; one retry after a hang."""
+        last: SandboxError | None = None
+        for attempt in range(2):
+            with contextlib.suppress(FileNotFoundError):
+                (vm_dir / qemu.SERIAL_LOG).unlink()
+            await qemu.launch(vm_dir, machine.argv(vm_dir, disk, ram=ram))
+            try:
+                channel = await self._open_channel(vm_dir, self._boot_timeout)
+            except SandboxError as e:
+                last = e
+                await qemu.kill_vm(vm_dir)
+                continue
+            self._note_boot(retried=attempt > 0)
+            return channel
+        tail = _serial_tail(vm_dir)
+        msg = f"the microvm did not boot (twice): {last}; console: {tail}"
+        raise BackendError(msg)
+
+    # ----------------------------------------------------------------- templates
+
+    async def _template(self, machine: qemu.MachineConfig) -> Path:
+        """The booted template for this machine config, made on first use."""
+        fp = machine.fingerprint()
+        tdir = self._root / "templates" / fp
+        if (tdir / "template.json").exists():
+            return tdir
+        async with _flock(self._root / "templates" / f"{fp}.lock"):
+            if (tdir / "template.json").exists():
+                return tdir
+            work = self._root / "templates" / f".{fp}.{os.getpid()}"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            try:
+                await self._make_template(machine, work)
+                work.rename(tdir)
+            finally:
+                await qemu.kill_vm(work)
+                shutil.rmtree(work, ignore_errors=True)
+        return tdir
+
+    async def _make_template(self, machine: qemu.MachineConfig, work: Path) -> None:
+        disk = work / "disk.qcow2"
+        await _create_overlay(machine.image, disk)
+        ram = machine.ram_file(work / "ram.img", shared=True)
+        channel = await self._cold_boot(work, machine, disk, ram)
+        async with await self._qmp(work) as q:
+            try:
+                # Dirty pages written now land in the overlay before it is frozen, not later in
+                # every clone (which would make each clone's disk differ from the baseline).
+                await self._guest_sh(channel, "sync")
+                fd_count = await self._fd_count(channel)
+            finally:
+                await channel.close()
+            await _wait_agent_idle(q)
+            await q.execute("stop")
+            await _migrate_to(q, work / "state.bin", ignore_shared=True)
+        await qemu.kill_vm(work)
+        baseline = _Baseline("template", "", _sha256(disk), fd_count, "running")
+        (work / "template.json").write_text(
+            json.dumps({"baseline": asdict(baseline), "fingerprint": machine.fingerprint()})
+        )
+
+    # ----------------------------------------------------------------- restore paths
+
+    async def _restore_into(
+        self,
+        vm_dir: Path,
+        machine: qemu.MachineConfig,
+        source: Path,
+        *,
+        verify_disk: str | None = None,
+    ) -> tuple[Channel, str | None]:
+        """Start the VM in ``vm_dir`` from the memory in ``source`` (a template or snapshot
+        directory, or the VM's own ``mem.bin``), resume it and connect to its agent.
+
+        With ``verify_disk``, the overlay's hash is taken while the VM is still paused and
+        returned (the guest cannot have written to it yet).
+        """
+        disk = vm_dir / "disk.qcow2"
+        # A stat of our own state directory: microseconds, not worth a thread hop.
+        template = source.is_dir() and (source / "state.bin").exists()  # noqa: ASYNC240
+        if template:
+            ram = machine.ram_file(source / "ram.img", shared=False)
+            argv = machine.argv(vm_dir, disk, ram=ram, incoming_defer=True)
+        else:
+            mem = source / "mem.bin" if source.is_dir() else source  # noqa: ASYNC240
+            argv = machine.argv(vm_dir, disk, ram=machine.ram_anonymous(), incoming=mem)
+        await qemu.launch(vm_dir, argv)
+        disk_hash: str | None = None
+        try:
+            async with await self._qmp(vm_dir) as q:
+                if template:
+                    await _set_ignore_shared(q, True)
+                    await q.execute(
+                        "migrate-incoming", {"uri": f"exec:cat {_shq(source / 'state.bin')}"}
+                    )
+                status = await self._wait_loaded(q, self._restore_timeout)
+                if verify_disk is not None:
+                    disk_hash = await anyio.to_thread.run_sync(_sha256, disk)
+                if status == "paused":
+                    await q.execute("cont")
+            channel = await self._open_channel(vm_dir, self._restore_timeout)
+        except BaseException:
+            await qemu.kill_vm(vm_dir)
+            raise
+        return channel, disk_hash
+
+    def _baseline_of(self, source: Path) -> _Baseline:
+        meta = source / (
+            "template.json" if (source / "template.json").exists() else "snapshot.json"
+        )
+        raw = json.loads(meta.read_text())["baseline"]
+        base = _Baseline(**raw)
+        base.dir = str(source)
+        return base
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec) -> str:
+        """Restore a booted template into a new VM with its own overlay (cold boot once per
+        machine config to make the template)."""
+        self._check_spec(spec)
+        vm_dir = self._vm_dir(sandbox_id)
+        machine = self._machine_for(spec)
+        async with _flock(self._root / "vms" / f"{sandbox_id}.lock"):
+            if (vm_dir / "vm.json").exists():
+                # A retried create adopts what the first attempt made.
+                if not qemu.is_running(vm_dir):
+                    await self._start_locked(sandbox_id)
+                return sandbox_id
+            tdir = await self._template(machine)
+            if self._pool_size and await self._claim(machine, vm_dir):
+                try:
+                    if spec.workdir != _WORKDIR:
+                        channel = await self._agent(sandbox_id, vm_dir)
+                        self._keep(sandbox_id, channel)
+                        await channel.mkdir(spec.workdir)
+                    rec = _VmRecord(
+                        sandbox_id,
+                        str(machine.image.directory),
+                        machine.memory_mb,
+                        machine.vcpus,
+                        machine.accel,
+                        self._baseline_of(tdir),
+                    )
+                    rec.save(vm_dir / "vm.json")
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await self._drop(sandbox_id)
+                        await qemu.kill_vm(vm_dir)
+                        shutil.rmtree(vm_dir, ignore_errors=True)
+                    raise
+                self._spawn_refill(machine)
+                return sandbox_id
+            vm_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                _copy(tdir / "disk.qcow2", vm_dir / "disk.qcow2")
+                channel, _ = await self._restore_into(vm_dir, machine, tdir)
+                try:
+                    await self._sync_clock(channel)
+                    if spec.workdir != _WORKDIR:
+                        await channel.mkdir(spec.workdir)
+                except BaseException:
+                    await channel.close()
+                    raise
+                self._keep(sandbox_id, channel)
+                rec = _VmRecord(
+                    sandbox_id,
+                    str(machine.image.directory),
+                    machine.memory_mb,
+                    machine.vcpus,
+                    machine.accel,
+                    self._baseline_of(tdir),
+                )
+                rec.save(vm_dir / "vm.json")
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await qemu.kill_vm(vm_dir)
+                    shutil.rmtree(vm_dir, ignore_errors=True)
+                raise
+        if self._pool_size:
+            self._spawn_refill(machine)
+        return sandbox_id
+
+    # ----------------------------------------------------------------- warm pool
+
+    def _pool_dir(self, machine: qemu.MachineConfig) -> Path:
+        return self._root / "pool" / machine.fingerprint()
+
+    async def _claim(self, machine: qemu.MachineConfig, vm_dir: Path) -> bool:
+        """Take a ready pooled VM by renaming its directory to ``vm_dir`` (atomic: of two
+        processes claiming the same one, exactly one rename succeeds)."""
+        pool = self._pool_dir(machine)
+        try:
+            entries = sorted(pool.iterdir())
+        except FileNotFoundError:
+            return False
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if not qemu.is_running(entry):
+                await qemu.kill_vm(entry)
+                shutil.rmtree(entry, ignore_errors=True)
+                continue
+            try:
+                entry.rename(vm_dir)
+            except OSError:
+                continue  # another process claimed it first
+            return True
+        return False
+
+    async def fill_pool(self, spec: SandboxSpec | None = None) -> int:
+        """Top the warm pool for ``spec``'s machine config up to ``pool_size``; returns how
+        many VMs it started. Another process already filling it makes this return 0."""
+        machine = self._machine_for(spec or SandboxSpec(network="deny-all"))
+        return await self._fill(machine)
+
+    async def _fill(self, machine: qemu.MachineConfig) -> int:
+        pool = self._pool_dir(machine)
+        pool.mkdir(parents=True, exist_ok=True)
+        lock = os.open(pool.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0
+            tdir = await self._template(machine)
+            started = 0
+            while True:
+                ready = [e for e in pool.iterdir() if not e.name.startswith(".")]
+                if len(ready) >= self._pool_size:
+                    return started
+                name = f"pool-{os.urandom(6).hex()}"
+                work = pool / f".{name}"
+                work.mkdir()
+                try:
+                    _copy(tdir / "disk.qcow2", work / "disk.qcow2")
+                    channel, _ = await self._restore_into(work, machine, tdir)
+                    try:
+                        # Sets the clock and, as the first exec in this QEMU, pays TCG's
+                        # translation warm-up so the claimer's first exec does not.
+                        await self._sync_clock(channel)
+                    finally:
+                        # No connection is held: the claimer may be another process, and
+                        # QEMU's socket serves one client at a time.
+                        await channel.close()
+                    work.rename(pool / name)
+                    started += 1
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await qemu.kill_vm(work)
+                        shutil.rmtree(work, ignore_errors=True)
+                    raise
+        finally:
+            os.close(lock)
+
+    def _spawn_refill(self, machine: qemu.MachineConfig) -> None:
+        """Refill the pool from a detached process (the CLI exits right after a create)."""
+        argv = [
+            sys.executable, "-m", "sandlot.backends.microvm.pool",
+            str(self._root), str(self._cache), str(machine.image.directory),
+            str(machine.memory_mb), str(machine.vcpus), machine.accel, str(self._pool_size),
+        ]  # fmt: skip
+        subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+    async def drain_pool(self) -> None:
+        """Kill every pooled VM (waiting for a running refill to finish first)."""
+        for lockfile in sorted((self._root / "pool").glob("*.lock")):
+            async with _flock(lockfile):
+                pool = lockfile.with_suffix("")
+                for entry in sorted(pool.iterdir()) if pool.exists() else ():
+                    await qemu.kill_vm(entry)
+                    shutil.rmtree(entry, ignore_errors=True)
+
+    async def start(self, ref: str, spec: SandboxSpec) -> None:
+        """Resume a stopped VM from its saved memory (cold boot from its disk if none)."""
+        async with _flock(self._root / "vms" / f"{ref}.lock"):
+            await self._start_locked(ref)
+
+    async def _start_locked(self, ref: str) -> None:
+        vm_dir = self._vm_dir(ref)
+        rec = self._record(ref)
+        if qemu.is_running(vm_dir):
+            async with await self._qmp(vm_dir) as q:
+                # A snapshot interrupted half-way leaves the VM paused or post-migration.
+                if await q.status() in ("paused", "postmigrate"):
+                    await q.execute("cont")
+            return
+        machine = self._machine(rec)
+        mem = vm_dir / "mem.bin"
+        if mem.exists():
+            channel, _ = await self._restore_into(vm_dir, machine, mem)
+            mem.unlink()
+        else:
+            channel = await self._cold_boot(
+                vm_dir, machine, vm_dir / "disk.qcow2", machine.ram_anonymous()
+            )
+        try:
+            await self._sync_clock(channel)
+        except BaseException:
+            await channel.close()
+            raise
+        self._keep(ref, channel)
+
+    async def stop(self, ref: str) -> None:
+        """Save the VM's memory to ``mem.bin`` and end QEMU; the disk stays."""
+        vm_dir = self._vm_dir(ref)
+        async with _flock(self._root / "vms" / f"{ref}.lock"):
+            self._record(ref)
+            await self._drop(ref)
+            if not qemu.is_running(vm_dir):
+                return
+            part = vm_dir / "mem.bin.part"
+            async with await self._qmp(vm_dir) as q:
+                await q.execute("stop")
+                await _migrate_to(q, part)
+            await qemu.kill_vm(vm_dir)
+            part.replace(vm_dir / "mem.bin")
+
+    async def destroy(self, ref: str) -> None:
+        """Kill QEMU and remove every file of the VM (a missing VM is fine)."""
+        vm_dir = self._vm_dir(ref)
+        async with _flock(self._root / "vms" / f"{ref}.lock"):
+            await self._drop(ref)
+            await qemu.kill_vm(vm_dir)
+            shutil.rmtree(vm_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            (self._root / "vms" / f"{ref}.lock").unlink()
+
+    async def inspect(self, ref: str) -> BackendState:
+        """``running`` while QEMU runs (even paused), ``stopped`` while its directory holds it,
+        else ``missing``."""
+        vm_dir = self._vm_dir(ref)
+        if not (vm_dir / "vm.json").exists():
+            return BackendState("missing")
+        if qemu.is_running(vm_dir):
+            return BackendState("running")
+        if (vm_dir / "mem.bin").exists():
+            return BackendState("stopped", "stopped", "memory saved")
+        tail = _serial_tail(vm_dir)
+        reason = "crashed" if "Kernel panic" in tail else "exited"
+        return BackendState("stopped", reason, tail)
+
+    async def list_owned(self) -> dict[str, str]:
+        """Every VM directory with a record."""
+        vms = self._root / "vms"
+        return {d.name: d.name for d in sorted(vms.iterdir()) if (d / "vm.json").exists()}
+
+    async def channel(self, ref: str) -> Channel:
+        """Connect to the guest agent (one host connection per VM at a time: QEMU's socket
+        serves one client, a second waits until the first closes)."""
+        vm_dir = self._vm_dir(ref)
+        self._record(ref)
+        if not qemu.is_running(vm_dir):
+            msg = f"microvm {ref} is not running"
+            raise InvalidState(msg)
+        return await self._agent(ref, vm_dir)
+
+    # ----------------------------------------------------------------- snapshots
+
+    async def snapshot(self, ref: str, snapshot_id: str) -> SnapshotRef:
+        """Save memory + disk of a running VM (it keeps running afterwards)."""
+        vm_dir = self._vm_dir(ref)
+        sdir = self._root / "snapshots" / snapshot_id
+        if sdir.exists():
+            msg = f"snapshot {snapshot_id} exists already"
+            raise InvalidRequest(msg)
+        async with _flock(self._root / "vms" / f"{ref}.lock"):
+            rec = self._record(ref)
+            if not qemu.is_running(vm_dir):
+                msg = f"microvm {ref} is not running"
+                raise InvalidState(msg)
+            work = sdir.with_name(f".{snapshot_id}.part")
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            try:
+                async with await self._qmp(vm_dir) as q:
+                    channel = await self._agent(ref, vm_dir)
+                    try:
+                        await self._guest_sh(channel, "sync")
+                        fd_count = await self._fd_count(channel)
+                    finally:
+                        await channel.close()
+                    await _wait_agent_idle(q)
+                    await q.execute("stop")
+                    try:
+                        await _migrate_to(q, work / "mem.bin")
+                        # Migration flushed and released the disk: it matches the memory.
+                        await anyio.to_thread.run_sync(
+                            _copy, vm_dir / "disk.qcow2", work / "disk.qcow2"
+                        )
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await q.execute("cont")
+                baseline = _Baseline("snapshot", "", _sha256(work / "disk.qcow2"), fd_count)
+                meta = {
+                    "baseline": asdict(baseline),
+                    "sandbox_id": ref,
+                    "image": rec.image,
+                    "memory_mb": rec.memory_mb,
+                    "vcpus": rec.vcpus,
+                    "accel": rec.accel,
+                }
+                (work / "snapshot.json").write_text(json.dumps(meta))
+                work.rename(sdir)
+            except BaseException:
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+        size = sum(p.stat().st_size for p in sdir.iterdir())
+        return SnapshotRef(
+            ref=snapshot_id,
+            size_bytes=size,
+            metadata={"disk_sha256": baseline.disk_sha256, "memory_mb": rec.memory_mb},
+        )
+
+    def _snapshot_dir(self, snapshot: SnapshotRef) -> tuple[Path, dict[str, JsonValue]]:
+        sdir = self._root / "snapshots" / snapshot.ref
+        try:
+            meta = json.loads((sdir / "snapshot.json").read_text())
+        except FileNotFoundError:
+            msg = f"no microvm snapshot {snapshot.ref}"
+            raise NotFound(msg) from None
+        if not isinstance(meta, dict):
+            msg = f"snapshot {snapshot.ref} has a bad manifest"
+            raise BackendError(msg)
+        return sdir, meta
+
+    def _record_from_snapshot(
+        self, sandbox_id: str, sdir: Path, meta: dict[str, JsonValue]
+    ) -> _VmRecord:
+        accel = meta["accel"]
+        return _VmRecord(
+            sandbox_id,
+            str(meta["image"]),
+            int(str(meta["memory_mb"])),
+            int(str(meta["vcpus"])),
+            "kvm" if accel == "kvm" else "tcg",
+            self._baseline_of(sdir),
+        )
+
+    async def restore(self, ref: str, snapshot: SnapshotRef, spec: SandboxSpec) -> None:
+        """Replace the VM's memory and disk with a snapshot's and run it; the snapshot becomes
+        the VM's reset baseline."""
+        vm_dir = self._vm_dir(ref)
+        sdir, meta = self._snapshot_dir(snapshot)
+        async with _flock(self._root / "vms" / f"{ref}.lock"):
+            self._record(ref)
+            rec = self._record_from_snapshot(ref, sdir, meta)
+            await qemu.kill_vm(vm_dir)
+            with contextlib.suppress(FileNotFoundError):
+                (vm_dir / "mem.bin").unlink()
+            _copy(sdir / "disk.qcow2", vm_dir / "disk.qcow2")
+            channel, _ = await self._restore_into(vm_dir, self._machine(rec), sdir)
+            try:
+                await self._sync_clock(channel)
+            except BaseException:
+                await channel.close()
+                raise
+            self._keep(ref, channel)
+            rec.save(vm_dir / "vm.json")
+
+    async def fork(
+        self, snapshot: SnapshotRef, sandbox_ids: list[str], spec: SandboxSpec
+    ) -> list[str]:
+        """One new VM per id from a snapshot (made one after another: each restore is CPU-bound
+        under TCG)."""
+        sdir, meta = self._snapshot_dir(snapshot)
+        refs: list[str] = []
+        for sid in sandbox_ids:
+            vm_dir = self._vm_dir(sid)
+            async with _flock(self._root / "vms" / f"{sid}.lock"):
+                if (vm_dir / "vm.json").exists():
+                    refs.append(sid)
+                    continue
+                rec = self._record_from_snapshot(sid, sdir, meta)
+                vm_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+                try:
+                    _copy(sdir / "disk.qcow2", vm_dir / "disk.qcow2")
+                    channel, _ = await self._restore_into(vm_dir, self._machine(rec), sdir)
+                    try:
+                        await self._sync_clock(channel)
+                    except BaseException:
+                        await channel.close()
+                        raise
+                    self._keep(sid, channel)
+                    rec.save(vm_dir / "vm.json")
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await qemu.kill_vm(vm_dir)
+                        shutil.rmtree(vm_dir, ignore_errors=True)
+                    raise
+            refs.append(sid)
+        return refs
+
+    async def delete_snapshot(self, snapshot: SnapshotRef) -> None:
+        """Remove a snapshot's files (VMs whose baseline it was can no longer be reset)."""
+        shutil.rmtree(self._root / "snapshots" / snapshot.ref, ignore_errors=True)
+
+    async def expose_port(self, ref: str, port: int) -> PortMapping:
+        """Not supported: the guest has no network."""
+        msg = "the microvm backend cannot expose ports (the guest has no NIC)"
+        raise NotSupported(msg)
+
+    # ----------------------------------------------------------------- reset
+
+    async def reset(
+        self, ref: str, snapshot: SnapshotRef | None, spec: SandboxSpec
+    ) -> dict[str, JsonValue]:
+        """The Backend protocol's reset: to ``snapshot`` (which becomes the baseline) or to the
+        current baseline, verified either way; the report as JSON data."""
+        if snapshot is None:
+            report = await self.reset_to_baseline(ref)
+        else:
+            await self.restore(ref, snapshot, spec)
+            report = await self.verify(ref)
+        return report.to_dict()
+
+    async def reset_to_baseline(self, ref: str) -> VerificationReport:
+        """Revert the VM to its baseline and verify disk, VMM state and guest fds.
+
+        Raises:
+            ResetVerificationFailed: A source disagreed with its baseline (details name it).
+            InvalidState: The VM has no baseline (its snapshot was deleted).
+        """
+        vm_dir = self._vm_dir(ref)
+        async with _flock(self._root / "vms" / f"{ref}.lock"):
+            rec = self._record(ref)
+            base = rec.baseline
+            if base is None or not Path(base.dir).is_dir():  # noqa: ASYNC240
+                msg = f"microvm {ref} has no baseline to reset to"
+                raise InvalidState(msg)
+            started = time.perf_counter()
+            await self._drop(ref)
+            await qemu.kill_vm(vm_dir)
+            with contextlib.suppress(FileNotFoundError):
+                (vm_dir / "mem.bin").unlink()
+            _copy(Path(base.dir) / "disk.qcow2", vm_dir / "disk.qcow2")
+            channel, disk_hash = await self._restore_into(
+                vm_dir, self._machine(rec), Path(base.dir), verify_disk=base.disk_sha256
+            )
+            restored = time.perf_counter()
+            try:
+                # The baseline's clock is in the past: it is set in the same exec, after the
+                # descriptors were counted.
+                report = await self._verify(
+                    vm_dir, base, channel, disk_hash, started, sync_clock=True
+                )
+            except BaseException:
+                await channel.close()
+                raise
+            self._keep(ref, channel)
+            report = VerificationReport(
+                report.checks, report.duration_ms, (restored - started) * 1000
+            )
+            if not report.ok:
+                raise _verification_error(ref, report)
+            return report
+
+    async def verify(self, ref: str) -> VerificationReport:
+        """Compare the running VM with its baseline, without reverting anything.
+
+        Raises:
+            ResetVerificationFailed: A source disagreed with its baseline.
+        """
+        vm_dir = self._vm_dir(ref)
+        async with _flock(self._root / "vms" / f"{ref}.lock"):
+            rec = self._record(ref)
+            if rec.baseline is None:
+                msg = f"microvm {ref} has no baseline"
+                raise InvalidState(msg)
+            if not qemu.is_running(vm_dir):
+                msg = f"microvm {ref} is not running"
+                raise InvalidState(msg)
+            started = time.perf_counter()
+            channel = await self._agent(ref, vm_dir)
+            try:
+                report = await self._verify(vm_dir, rec.baseline, channel, None, started)
+            except BaseException:
+                await channel.close()
+                raise
+            self._keep(ref, channel)
+            if not report.ok:
+                raise _verification_error(ref, report)
+            return report
+
+    async def _verify(
+        self,
+        vm_dir: Path,
+        base: _Baseline,
+        channel: Channel,
+        disk_hash: str | None,
+        started: float,
+        *,
+        sync_clock: bool = False,
+    ) -> VerificationReport:
+        if disk_hash is None:
+            disk_hash = await anyio.to_thread.run_sync(_sha256, vm_dir / "disk.qcow2")
+        async with await self._qmp(vm_dir) as q:
+            status = await q.status()
+        try:
+            fds = str(await self._fd_count(channel, then_sync_clock=sync_clock))
+        except SandboxError as e:
+            fds = f"error: {e}"
+        checks = (
+            VerificationCheck("disk", base.disk_sha256, disk_hash),
+            VerificationCheck("vmm", base.vmm_status, status),
+            VerificationCheck("guest_fds", str(base.fd_count), fds),
+        )
+        return VerificationReport(checks, (time.perf_counter() - started) * 1000)
+
+
+def _verification_error(ref: str, report: VerificationReport) -> ResetVerificationFailed:
+    return ResetVerificationFailed(
+        f"microvm {ref} differs from its baseline in: {', '.join(report.diverged)}",
+        verification=report.to_dict(),
+        diverged=report.diverged,
+    )
+
+
+def _shq(path: Path) -> str:
+    import shlex
+
+    return shlex.quote(str(path))
+
+
+def _serial_tail(vm_dir: Path, lines: int = 12) -> str:
+    try:
+        text = (vm_dir / qemu.SERIAL_LOG).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+async def _create_overlay(image: ImagePaths, disk: Path) -> None:
+    argv = [
+        "qemu-img", "create", "-q", "-f", "qcow2",
+        "-b", str(image.disk), "-F", image.disk_format, str(disk),
+    ]  # fmt: skip
+    try:
+        proc = await anyio.run_process(argv, check=False, stdin=subprocess.DEVNULL)
+    except FileNotFoundError as e:
+        msg = "qemu-img is not installed (apt-get install qemu-utils)"
+        raise BackendUnavailable(msg) from e
+    if proc.returncode != 0:
+        msg = f"qemu-img create failed: {proc.stderr.decode(errors='replace').strip()}"
+        raise BackendError(msg)
+
+
+async def _wait_agent_idle(q: QmpClient, timeout: float = 5.0) -> None:
+    """Wait until the guest agent closed its port after our hang-up.
+
+    A memory snapshot must hold an agent waiting for a new host: one still inside our session
+    would take the next host's HELLO for a frame of that old session. The agent closes the
+    port when it reads end-of-file, and QEMU reports that as ``VSERPORT_CHANGE``.
+    """
+    with anyio.move_on_after(timeout):
+        while True:
+            event = await q.wait_event("VSERPORT_CHANGE")
+            data = event.get("data")
+            if (
+                isinstance(data, dict)
+                and data.get("id") == qemu.AGENT_PORT_ID
+                and not data.get("open")
+            ):
+                return
+
+
+async def _set_ignore_shared(q: QmpClient, on: bool) -> None:
+    await q.execute(
+        "migrate-set-capabilities",
+        {"capabilities": [{"capability": "x-ignore-shared", "state": on}]},
+    )
+
+
+async def _migrate_to(
+    q: QmpClient, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0
+) -> None:
+    """Migrate the (stopped) VM's state into a file and wait until it is complete.
+
+    The capability is always set explicitly: a VM restored from a template was started with
+    ``x-ignore-shared`` on, and a stream saved with it on cannot be loaded without it.
+    """
+    await _set_ignore_shared(q, ignore_shared)
+    await q.execute("migrate", {"uri": f"exec:cat > {_shq(path)}"})
+    with anyio.fail_after(timeout):
+        while True:
+            info = await q.execute("query-migrate")
+            status = info.get("status") if isinstance(info, dict) else None
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                err = info.get("error-desc", "") if isinstance(info, dict) else ""
+                msg = f"saving the VM state failed: {err}"
+                raise BackendError(msg)
+            await anyio.sleep(0.005)
+
+
+def doctor(cache_dir: Path | None = None) -> list[DoctorCheck]:
+    """What ``sandlot doctor`` reports for the microvm backend: tools, image, accelerator."""
+    checks: list[DoctorCheck] = []
+    for tool, pkg in (
+        (qemu.QEMU_BINARY, "qemu-system-x86"),
+        ("qemu-img", "qemu-utils"),
+        ("mmdebstrap", "mmdebstrap"),
+    ):
+        found = shutil.which(tool)
+        checks.append(
+            DoctorCheck(f"{tool} installed", bool(found), found or "", f"apt-get install {pkg}")
+        )
+    from sandlot.backends.microvm.image import find_cached_image
+
+    image = find_cached_image(cache_dir)
+    checks.append(
+        DoctorCheck(
+            "microvm guest image built",
+            image is not None,
+            str(image.directory) if image else "none in the cache",
+            "sandlot images build microvm",
+        )
+    )
+    if image is not None and shutil.which(qemu.QEMU_BINARY):
+        decision = qemu.decide_accel(image, cache_dir)
+        checks.append(DoctorCheck(f"accelerator: {decision.mode}", True, decision.reason))
+    return checks

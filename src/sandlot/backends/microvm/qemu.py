@@ -1,0 +1,386 @@
+"""QEMU ``-M microvm`` processes: command lines, launching detached, finding and killing them.
+
+This module owns how one VM process is started and found again. Every VM lives in its own
+directory, which holds everything needed to reconnect from another process (the CLI is one
+process per command)::
+
+    qemu.pid     written by QEMU (-pidfile), which keeps it open: checked via /proc/PID/fd
+    qmp.sock     QMP control socket
+    agent.sock   the virtio-serial port the guest agent serves (one host connection at a time)
+    serial.log   the guest console
+
+QEMU runs with ``-daemonize``: it forks, calls setsid, and its first process exits once the
+sockets exist, so a launch returns exactly when the VM can be reached and the VM outlives us.
+Sockets are given as names relative to the VM directory (QEMU is started there) because
+``sun_path`` is 108 bytes and state directories can be deeper than that; everything else is an
+absolute path because a daemonized QEMU changes its directory to ``/``.
+
+It also decides the accelerator: KVM only when a real probe boot under KVM prints the guest's
+probe marker in time (a host whose KVM cannot run stock kernels, such as a PVM host, hangs the
+guest instead of failing), else TCG. The probe's answer is cached per host. This module must not
+import the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+import anyio
+
+from sandlot import config
+from sandlot.backends.microvm.image import AGENT_PORT_NAME, PROBE_MARKER, ImagePaths
+from sandlot.errors import BackendError, BackendUnavailable
+
+__all__ = [
+    "AGENT_PORT_ID",
+    "AGENT_SOCKET",
+    "QEMU_BINARY",
+    "QMP_SOCKET",
+    "SERIAL_LOG",
+    "AccelDecision",
+    "MachineConfig",
+    "decide_accel",
+    "is_running",
+    "kill_vm",
+    "launch",
+    "read_pid",
+    "vcpus_for",
+]
+
+QEMU_BINARY: Final = "qemu-system-x86_64"
+QMP_SOCKET: Final = "qmp.sock"
+AGENT_SOCKET: Final = "agent.sock"
+SERIAL_LOG: Final = "serial.log"
+PIDFILE: Final = "qemu.pid"
+AGENT_PORT_ID: Final = "agent0"
+"""The virtserialport's QEMU id (named in ``VSERPORT_CHANGE`` events)."""
+
+Accel = Literal["kvm", "tcg"]
+
+_PROBE_TIMEOUT: Final = 10.0
+_PROBE_FORMAT: Final = 1
+
+
+def vcpus_for(vcpus: float | None) -> int:
+    """Guest vCPUs for ``resources.vcpus``: fractions round up (0.5 -> 1), default 1.
+
+    A VM cannot have half a CPU; rounding up never gives less than asked, and the host side of
+    a fractional quota is not enforced (``capabilities().limits`` says ``vcpus`` means whole
+    guest CPUs).
+    """
+    return 1 if vcpus is None else max(1, math.ceil(vcpus))
+
+
+@functools.cache
+def _host_tsc_khz() -> int | None:
+    """The host TSC frequency, when /proc/cpuinfo states it reliably.
+
+    Under TCG the guest reads the host's TSC, and microvm has no HPET or PM timer to calibrate
+    it against; the PIT calibration it falls back to fails now and then on a loaded host, and
+    then the guest hangs. With ``tsc_early_khz`` it skips calibration.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    mhz = re.search(r"^cpu MHz\s*:\s*([0-9.]+)", text, re.M)
+    if not flags or not mhz:
+        return None
+    names = set(flags.group(1).split())
+    # "cpu MHz" is the TSC rate only when the TSC is constant and no cpufreq driver reports a
+    # current clock instead.
+    if "constant_tsc" not in names:
+        return None
+    if "tsc_known_freq" not in names and Path("/sys/devices/system/cpu/cpu0/cpufreq").exists():
+        return None
+    return round(float(mhz.group(1)) * 1000)
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """Everything that shapes a VM's hardware and boot (a template is only reusable for an
+    identical one)."""
+
+    image: ImagePaths
+    memory_mb: int
+    vcpus: int
+    accel: Accel
+
+    def kernel_cmdline(self) -> str:
+        """The kernel command line, with host-specific additions."""
+        line = self.image.cmdline
+        if self.accel == "tcg":
+            khz = _host_tsc_khz()
+            if khz:
+                line += f" tsc_early_khz={khz}"
+        return line
+
+    def ram_anonymous(self) -> list[str]:
+        """Guest RAM as anonymous host memory (a VM booted or restored from a stream)."""
+        return ["-object", f"memory-backend-ram,id=ram,size={self.memory_mb}M"]
+
+    def ram_file(self, path: Path, *, shared: bool) -> list[str]:
+        """Guest RAM mapped from a file: ``shared`` writes through to it (a template being
+        made); otherwise it is a private copy-on-write mapping (a clone of the template)."""
+        share = "on" if shared else "off"
+        return [
+            "-object",
+            f"memory-backend-file,id=ram,size={self.memory_mb}M,mem-path={path},share={share}",
+        ]
+
+    def argv(
+        self,
+        vm_dir: Path,
+        disk: Path,
+        *,
+        ram: list[str],
+        incoming: Path | None = None,
+        incoming_defer: bool = False,
+    ) -> list[str]:
+        """The QEMU command line for a VM in ``vm_dir`` (run with that as working directory).
+
+        Args:
+            vm_dir: The VM's directory (pid file; QEMU must be started there for the sockets).
+            disk: The VM's own qcow2 overlay.
+            ram: The RAM backend (:meth:`ram_anonymous` or :meth:`ram_file`); its id is always
+                ``ram`` so that a migration stream fits either.
+            incoming: A migration stream file to restore instead of booting.
+            incoming_defer: Wait for ``migrate-incoming`` over QMP (to set capabilities first).
+        """
+        accel = (
+            ["-accel", "kvm", "-cpu", "host"]
+            if self.accel == "kvm"
+            else ["-accel", "tcg", "-cpu", "max"]
+        )
+        argv = [
+            QEMU_BINARY,
+            "-name", f"sandlot-{vm_dir.name}",
+            *ram,
+            "-M", "microvm,memory-backend=ram",
+            *accel,
+            "-m", f"{self.memory_mb}M",
+            "-smp", str(self.vcpus),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-kernel", str(self.image.kernel),
+            "-initrd", str(self.image.initrd),
+            "-append", self.kernel_cmdline(),
+            "-chardev", f"file,id=serial0,path={vm_dir / SERIAL_LOG}",
+            "-serial", "chardev:serial0",
+            "-drive", f"if=none,id=root,file={disk},format=qcow2,discard=unmap",
+            "-device", "virtio-blk-device,drive=root",
+            "-device", "virtio-serial-device",
+            "-chardev", f"socket,id=agent,path={AGENT_SOCKET},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id={AGENT_PORT_ID}",
+            "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
+            "-nic", "none",
+            # Deny what a VMM never needs. Spawning stays allowed (exec: migration needs it), and so do
+            # privilege changes: elevateprivileges=deny makes -daemonize fail silently (QEMU 7.2).
+            "-sandbox", "on,obsolete=deny,resourcecontrol=deny",
+            "-daemonize",
+            "-pidfile", str(vm_dir / PIDFILE),
+        ]  # fmt: skip
+        if incoming is not None:
+            argv += ["-incoming", f"exec:cat {shlex.quote(str(incoming))}"]
+        elif incoming_defer:
+            argv += ["-incoming", "defer"]
+        return argv
+
+    def fingerprint(self) -> str:
+        """A hash of everything a memory snapshot depends on (hardware, kernel, boot)."""
+        try:
+            st = Path(shutil.which(QEMU_BINARY) or QEMU_BINARY).stat()
+            qemu_id = f"{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            qemu_id = "?"
+        parts = [
+            qemu_id,
+            self.image.key,
+            str(self.memory_mb),
+            str(self.vcpus),
+            self.accel,
+            self.kernel_cmdline(),
+        ]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def read_pid(vm_dir: Path) -> int | None:
+    """The pid of the QEMU that serves ``vm_dir``, or ``None`` if it is not running.
+
+    The pid file alone is not trusted (pids are reused): the process must hold that very file
+    open, as QEMU does (it keeps its pid file open and locked while it runs). Checking open
+    files rather than the command line keeps working after the VM directory was renamed (a
+    pooled VM is claimed by renaming its directory).
+    """
+    pidfile = vm_dir / PIDFILE
+    try:
+        pid = int(pidfile.read_text().strip())
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except (OSError, ValueError):
+        return None
+    for fd in fds:
+        try:
+            if fd.readlink() == pidfile:
+                return pid if _alive(pid) else None
+        except OSError:
+            continue
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] not in ("Z", "X")
+
+
+def is_running(vm_dir: Path) -> bool:
+    """True when the VM's QEMU process exists (running or paused)."""
+    return read_pid(vm_dir) is not None
+
+
+def _reap(pid: int) -> None:
+    # Daemonized QEMU is re-parented to the nearest subreaper, which may be this process.
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+async def launch(vm_dir: Path, argv: list[str]) -> int:
+    """Start a daemonized QEMU; return its pid once its sockets exist.
+
+    Raises:
+        BackendUnavailable: QEMU is not installed.
+        BackendError: QEMU refused to start (its message is included).
+    """
+    for name in (QMP_SOCKET, AGENT_SOCKET, PIDFILE):
+        with contextlib.suppress(FileNotFoundError):
+            (vm_dir / name).unlink()
+    try:
+        proc = await anyio.run_process(argv, cwd=vm_dir, check=False, stdin=subprocess.DEVNULL)
+    except FileNotFoundError as e:
+        msg = f"{QEMU_BINARY} is not installed (apt-get install qemu-system-x86)"
+        raise BackendUnavailable(msg) from e
+    if proc.returncode != 0:
+        msg = proc.stderr.decode(errors="replace").strip() or f"exit status {proc.returncode}"
+        msg_0 = f"QEMU failed to start: {msg}"
+        raise BackendError(msg_0)
+    pid = read_pid(vm_dir)
+    if pid is None:
+        msg_0 = f"QEMU started but is gone; see {vm_dir / SERIAL_LOG}"
+        raise BackendError(msg_0)
+    return pid
+
+
+async def kill_vm(vm_dir: Path, *, timeout: float = 5.0) -> None:
+    """Kill the VM's QEMU (SIGKILL: nothing in it needs a clean shutdown) and wait until it is
+    gone; a VM that is not running is not an error."""
+    pid = read_pid(vm_dir)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while True:
+            _reap(pid)
+            if not _alive(pid):
+                break
+            if time.monotonic() > deadline:
+                msg = f"QEMU pid {pid} survived SIGKILL for {timeout} s"
+                raise BackendError(msg)
+            await anyio.sleep(0.002)
+    for name in (QMP_SOCKET, AGENT_SOCKET, PIDFILE):
+        with contextlib.suppress(FileNotFoundError):
+            (vm_dir / name).unlink()
+
+
+@dataclass(frozen=True)
+class AccelDecision:
+    """Which accelerator VMs use on this host, and why."""
+
+    mode: Accel
+    reason: str
+
+
+def _probe_key(image: ImagePaths) -> str:
+    try:
+        st = Path(shutil.which(QEMU_BINARY) or QEMU_BINARY).stat()
+        qemu_id = f"{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        qemu_id = "?"
+    # The boot id changes on every host reboot: a kernel or KVM module change forces a new probe.
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "?"
+    parts = [str(_PROBE_FORMAT), os.uname().release, boot_id, qemu_id, image.key]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _probe_kvm(image: ImagePaths) -> tuple[bool, str]:
+    argv = [
+        QEMU_BINARY, "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "256", "-smp", "1",
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-kernel", str(image.kernel), "-initrd", str(image.initrd),
+        "-append", image.cmdline + " sandlot.probe=1", "-serial", "stdio", "-nic", "none",
+    ]  # fmt: skip
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, timeout=_PROBE_TIMEOUT, check=False, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        return False, (
+            f"a probe boot under KVM printed nothing within {_PROBE_TIMEOUT:.0f} s (a KVM that "
+            "cannot run stock guest kernels, such as a PVM host)"
+        )
+    except FileNotFoundError:
+        return False, f"{QEMU_BINARY} is not installed"
+    out = proc.stdout.decode(errors="replace")
+    if PROBE_MARKER in out:
+        return (
+            True,
+            f"a probe boot under KVM reached the guest in {time.monotonic() - started:.2f} s",
+        )
+    tail = (proc.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+    return False, f"a probe boot under KVM failed: {tail}"
+
+
+def decide_accel(image: ImagePaths, cache_dir: Path | None = None) -> AccelDecision:
+    """KVM when a real probe boot works, else TCG; the probe runs once per host boot and image.
+
+    ``$SANDLOT_MICROVM_ACCEL`` (``kvm`` or ``tcg``) overrides the probe.
+    """
+    forced = os.environ.get("SANDLOT_MICROVM_ACCEL", "").strip().lower()
+    if forced in ("kvm", "tcg"):
+        return AccelDecision(forced, "set by SANDLOT_MICROVM_ACCEL")  # type: ignore[arg-type]
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return AccelDecision("tcg", "/dev/kvm is absent or not accessible; using TCG emulation")
+    cache = (cache_dir or config.cache_dir()) / "microvm" / "kvm-probe.json"
+    key = _probe_key(image)
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        cached = json.loads(cache.read_text())
+        if cached["key"] == key and cached["mode"] in ("kvm", "tcg"):
+            return AccelDecision(cached["mode"], cached["reason"] + " (cached)")
+    ok, why = _probe_kvm(image)
+    decision = (
+        AccelDecision("kvm", why) if ok else AccelDecision("tcg", why + "; using TCG emulation")
+    )
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "mode": decision.mode, "reason": decision.reason}))
+    tmp.replace(cache)
+    return decision

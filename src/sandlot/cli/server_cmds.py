@@ -1,0 +1,281 @@
+"""``sandlot serve``, ``sandlot mcp`` and ``sandlot api-keys``: the control-plane commands.
+
+``serve`` runs the HTTP API (and MCP at ``/mcp``) on an embedded Manager; ``mcp`` serves the
+MCP tools on stdio; ``api-keys`` makes, lists and revokes the keys the API accepts (``sandlot
+keys`` is the receipt-signing keys' group; the two are different things). The commands
+register themselves on :data:`sandlot.cli.app.app` when this module is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+import anyio
+import typer
+from rich.table import Table
+
+from sandlot.cli.app import _fail, _print_json, _settings, app, err, out
+from sandlot.errors import SandboxError
+
+if TYPE_CHECKING:
+    from sandlot.server.keys import ApiKeyStore
+
+__all__ = ["api_keys"]
+
+api_keys = typer.Typer(
+    name="api-keys",
+    help="API keys for `sandlot serve`: each maps to a tenant and a principal.",
+    no_args_is_help=True,
+)
+app.add_typer(api_keys, name="api-keys")
+
+T = TypeVar("T")
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def _database(explicit: str | None) -> str:
+    from sandlot.config import home
+    from sandlot.sdk import database_url
+
+    return database_url(explicit or _settings.database, home(_settings.home))
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = 8470,
+    database: Annotated[
+        str | None, typer.Option("--database", help="Database URL (default: the home's SQLite).")
+    ] = None,
+    max_sandboxes: Annotated[
+        int | None, typer.Option("--max-sandboxes", min=1, help="Live sandboxes per tenant.")
+    ] = None,
+    max_execs: Annotated[
+        int | None, typer.Option("--max-execs", min=1, help="Concurrent commands per tenant.")
+    ] = None,
+    admission_timeout: Annotated[
+        float,
+        typer.Option("--admission-timeout", min=0, help="Seconds a request over quota waits."),
+    ] = 30.0,
+    max_upload_mb: Annotated[
+        int, typer.Option("--max-upload-mb", min=1, help="Largest upload (MiB).")
+    ] = 256,
+    max_download_mb: Annotated[
+        int, typer.Option("--max-download-mb", min=1, help="Largest download (MiB).")
+    ] = 1024,
+    output_retention: Annotated[
+        float,
+        typer.Option(
+            "--output-retention", min=0, help="Seconds command output stays for reconnects."
+        ),
+    ] = 300.0,
+    public_metrics: Annotated[
+        bool, typer.Option("--public-metrics", help="Serve /metrics without a key.")
+    ] = False,
+    mcp: Annotated[bool, typer.Option("--mcp/--no-mcp", help="Serve MCP at /mcp.")] = True,
+) -> None:
+    """Serve the HTTP API (and MCP at /mcp) until interrupted."""
+    import uvicorn
+
+    from sandlot.config import home as resolve_home
+    from sandlot.sdk import AsyncSandlot
+    from sandlot.server import ApiKeyStore, Quota, ServerConfig, create_app
+
+    url = _database(database)
+    config = ServerConfig(
+        max_upload_bytes=max_upload_mb << 20,
+        max_download_bytes=max_download_mb << 20,
+        output_retention=output_retention,
+        quota=Quota(max_live_sandboxes=max_sandboxes, max_concurrent_execs=max_execs),
+        admission_timeout=admission_timeout,
+        metrics_public=public_metrics,
+        mcp=mcp,
+    )
+
+    async def main() -> None:
+        from sandlot.server.outputlog import DatabaseExecOutputLog
+
+        sdk = AsyncSandlot(resolve_home(_settings.home), _settings.backend, url)
+        engine = sdk.manager.store.engine  # type: ignore[attr-defined]
+        # Command output lives in the database, so a client reconnecting after a restart
+        # gets the rest (or "outcome unknown" for a command that died with the server).
+        output = DatabaseExecOutputLog(engine)
+        # After a crash: runs that died with the last server are marked unknown, intents
+        # whose worker died are settled, then records are synced with the backends.
+        abandoned = await output.mark_unknown_abandoned()
+        recovered = await sdk.manager.recover()
+        report = await sdk.manager.reconcile()
+        if abandoned or recovered or report.updated or report.reaped:
+            err.print(
+                f"recovered: {len(abandoned)} command(s) marked unknown, "
+                f"{len(recovered)} intent(s) settled, {len(report.updated)} record(s) "
+                f"updated, {len(report.reaped)} orphan(s) reaped"
+            )
+        keys = ApiKeyStore(url)
+        app_ = create_app(sdk.manager, keys, config, output_log=output)
+        server = uvicorn.Server(
+            uvicorn.Config(app_, host=host, port=port, lifespan="on", log_level="info")
+        )
+        shown = f"[{host}]" if ":" in host else host
+        err.print(f"sandlot {sdk.manager.default_backend} backend, database {url}")
+        err.print(f"serving http://{shown}:{port} (MCP at /mcp); Ctrl-C stops")
+        try:
+            await server.serve()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await output.aclose()
+                await keys.aclose()
+                await sdk.aclose()
+
+    try:
+        anyio.run(main)
+    except SandboxError as e:
+        _fail(e, as_json=False)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+@app.command("mcp")
+def mcp_stdio(
+    share: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--share",
+            help="A host directory the upload_dir tool may copy from (repeatable; default: none).",
+        ),
+    ] = None,
+) -> None:
+    """Serve the MCP tools on stdio (for MCP clients that launch a command).
+
+    Uses the embedded Manager, or the server at $SANDLOT_URL (with $SANDLOT_API_KEY).
+    """
+    import os
+
+    from sandlot.mcp.stdio import serve_stdio
+
+    async def main() -> None:
+        await serve_stdio(
+            home=_settings.home,
+            backend=_settings.backend,
+            database=_settings.database,
+            url=os.environ.get("SANDLOT_URL") or None,
+            api_key=os.environ.get("SANDLOT_API_KEY") or None,
+            upload_roots=list(share or []),
+        )
+
+    try:
+        anyio.run(main)
+    except SandboxError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def _keys_run(as_json: bool, body: Callable[[ApiKeyStore], Awaitable[T]]) -> T:
+    from sandlot.server.keys import ApiKeyStore
+
+    async def main() -> T:
+        store = ApiKeyStore(_database(None))
+        try:
+            return await body(store)
+        finally:
+            await store.aclose()
+
+    try:
+        return anyio.run(main)
+    except SandboxError as e:
+        _fail(e, as_json)
+
+
+@api_keys.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option("--tenant", help="The tenant the key acts for.")],
+    principal: Annotated[
+        str | None,
+        typer.Option("--principal", help="Who the key acts as (default: the key's id)."),
+    ] = None,
+    admin: Annotated[
+        bool, typer.Option("--admin", help="See every tenant, reconcile, read /metrics.")
+    ] = False,
+    description: Annotated[
+        str | None, typer.Option("--description", help="A note to recognise it by.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Make a key and print it (this is the only time it is shown)."""
+    from sandlot.server.keys import NewApiKey
+
+    async def body(store: ApiKeyStore) -> NewApiKey:
+        return await store.create(tenant, principal, admin=admin, description=description)
+
+    made = _keys_run(as_json, body)
+    if as_json:
+        _print_json({"key": made.key, **made.info.model_dump(mode="json")})
+        return
+    print(made.key)
+    err.print(
+        f"key {made.info.id} for tenant {made.info.tenant} as {made.info.principal}"
+        + (" (admin)" if made.info.admin else "")
+        + ": store it now, it is not shown again"
+    )
+
+
+@api_keys.command("list")
+def keys_list(
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List keys (never their text), revoked ones included."""
+    from sandlot.server.keys import ApiKeyInfo
+
+    async def body(store: ApiKeyStore) -> list[ApiKeyInfo]:
+        return await store.list(tenant=tenant)
+
+    items = _keys_run(as_json, body)
+    if as_json:
+        _print_json(items)
+        return
+    if not items:
+        err.print("no api keys")
+        return
+    table = Table(box=None, pad_edge=False)
+    for col in ("ID", "PREFIX", "TENANT", "PRINCIPAL", "ADMIN", "CREATED", "REVOKED"):
+        table.add_column(col)
+    for k in items:
+        table.add_row(
+            k.id,
+            k.prefix + "…",
+            k.tenant,
+            k.principal,
+            "yes" if k.admin else "",
+            _when(k.created_at),
+            _when(k.revoked_at) if k.revoked_at else "",
+        )
+    out.print(table)
+
+
+@api_keys.command("revoke")
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key's id (ak-…).", show_default=False)],
+    as_json: JsonOpt = False,
+) -> None:
+    """Revoke a key: requests with it fail from now on (within seconds on running servers)."""
+    from sandlot.server.keys import ApiKeyInfo
+
+    async def body(store: ApiKeyStore) -> ApiKeyInfo:
+        return await store.revoke(key_id)
+
+    info = _keys_run(as_json, body)
+    if as_json:
+        _print_json(info)
+    else:
+        out.print(f"{info.id} revoked")
+
+
+def _when(at: datetime | None) -> str:
+    return f"{at:%Y-%m-%d %H:%M:%S}" if at else ""

@@ -1,0 +1,19 @@
+"""The client SDK for a sandlot server: the same surface as the in-process SDK, over HTTP.
+
+    from sandlot.client import Client
+
+    with Client("http://127.0.0.1:8470", api_key="sandlot_…") as client:
+        with client.create(setup="echo ready") as sb:
+            print(sb.exec("uname -a").stdout)
+
+:class:`AsyncClient` / :class:`Client` mirror :class:`sandlot.AsyncSandlot` /
+:class:`sandlot.Sandlot`, and their handles mirror :class:`sandlot.AsyncSandbox` /
+:class:`sandlot.Sandbox`; errors are the same classes. This module only re-exports.
+"""
+
+from __future__ import annotations
+
+from sandlot.client.remote import AsyncClient, AsyncRemoteSandbox
+from sandlot.client.sync import Client, RemoteSandbox
+
+__all__ = ["AsyncClient", "AsyncRemoteSandbox", "Client", "RemoteSandbox"]

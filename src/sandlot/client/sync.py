@@ -1,0 +1,357 @@
+"""The sync HTTP client: :class:`Client` and :class:`RemoteSandbox`, a thin facade over
+:mod:`sandlot.client.remote`.
+
+    with Client("http://127.0.0.1:8470", api_key) as client:
+        with client.create() as sb:
+            print(sb.exec("echo hi").stdout)
+
+Each method runs its async twin on an event loop in a background thread (the same loop
+helper the in-process sync SDK uses), so there is one source of behaviour; a test checks the
+surfaces match name for name and signature for signature.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Self, final
+
+import httpx
+
+from sandlot.client.remote import AsyncClient, AsyncRemoteSandbox
+from sandlot.gate.gate import Approval
+from sandlot.manager import ReconcileReport
+from sandlot.models import (
+    Command,
+    ExecResult,
+    FileInfo,
+    JsonValue,
+    NetworkAllowlist,
+    NetworkPolicy,
+    PortMapping,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxStatus,
+    SnapshotInfo,
+)
+from sandlot.policy import Explanation
+from sandlot.shared import EventLoopThread
+
+if TYPE_CHECKING:
+    from sandlot.channel.base import OutputCallback, Stdin
+
+__all__ = ["Client", "RemoteSandbox"]
+
+
+@final
+class RemoteSandbox:
+    """A handle on one sandbox on a server. ``with`` destroys it on exit."""
+
+    def __init__(self, client: Client, handle: AsyncRemoteSandbox) -> None:
+        self._client = client
+        self._loop = client._loop
+        self._async = handle
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self._async.id
+
+    @property
+    def status(self) -> SandboxStatus:
+        """The status as last seen."""
+        return self._async.status
+
+    @property
+    def info(self) -> SandboxInfo:
+        """The record as last seen (``refresh()`` reads it again)."""
+        return self._async.info
+
+    def __repr__(self) -> str:
+        return f"<RemoteSandbox {self.id} {self.info.status} on {self.info.backend}>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.destroy()
+
+    def refresh(self) -> SandboxInfo:
+        """Read the record again."""
+        return self._loop.run(self._async.refresh())
+
+    def exec(
+        self,
+        command: Command | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        stdin: Stdin = None,
+        on_output: OutputCallback | None = None,
+        on_stdout: Callable[[str], object] | None = None,
+        on_stderr: Callable[[str], object] | None = None,
+        check: bool = False,
+        auto_resume: bool = True,
+        idempotency_key: str | None = None,
+    ) -> ExecResult:
+        """Run a command to completion; see :meth:`AsyncRemoteSandbox.exec`."""
+        return self._loop.run(
+            self._async.exec(
+                command,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+                stdin=stdin,
+                on_output=on_output,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                check=check,
+                auto_resume=auto_resume,
+                idempotency_key=idempotency_key,
+            )
+        )
+
+    def read_file(self, path: str) -> bytes:
+        """A file's bytes."""
+        return self._loop.run(self._async.read_file(path))
+
+    def stream_file(self, path: str) -> Iterator[bytes]:
+        """A file's bytes in chunks."""
+        return self._loop.iterate(self._async.stream_file(path))
+
+    def write_file(
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        mode: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> FileInfo:
+        """Create or replace a file."""
+        return self._loop.run(
+            self._async.write_file(path, data, mode=mode, idempotency_key=idempotency_key)
+        )
+
+    def write_files(
+        self, files: Mapping[str, bytes | str], *, idempotency_key: str | None = None
+    ) -> builtins.list[FileInfo]:
+        """Create or replace several files."""
+        return self._loop.run(self._async.write_files(files, idempotency_key=idempotency_key))
+
+    def list_files(self, path: str | None = None) -> builtins.list[FileInfo]:
+        """A directory's entries (default: the workdir)."""
+        return self._loop.run(self._async.list_files(path))
+
+    def remove_file(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file or a tree."""
+        self._loop.run(self._async.remove_file(path, recursive=recursive))
+
+    def logs(self, *, follow: bool = False, offset: int = 0) -> Iterator[bytes]:
+        """The main process's output; ``follow`` keeps tailing it."""
+        return self._loop.iterate(self._async.logs(follow=follow, offset=offset))
+
+    def stop(self) -> SandboxInfo:
+        """Stop every process; the filesystem stays."""
+        return self._loop.run(self._async.stop())
+
+    def resume(self) -> SandboxInfo:
+        """Boot it again."""
+        return self._loop.run(self._async.resume())
+
+    def destroy(self, *, idempotency_key: str | None = None) -> SandboxInfo:
+        """Remove it for good."""
+        return self._loop.run(self._async.destroy(idempotency_key=idempotency_key))
+
+    def keep_alive(self, seconds: float) -> SandboxInfo:
+        """Push the time to live out."""
+        return self._loop.run(self._async.keep_alive(seconds))
+
+    def snapshot(self) -> SnapshotInfo:
+        """Save its state."""
+        return self._loop.run(self._async.snapshot())
+
+    def restore(self, snapshot_id: str) -> SandboxInfo:
+        """Put it back to a snapshot's state."""
+        return self._loop.run(self._async.restore(snapshot_id))
+
+    def fork(self, count: int = 1) -> builtins.list[RemoteSandbox]:
+        """Make ``count`` new sandboxes from its current state."""
+        return [RemoteSandbox(self._client, h) for h in self._loop.run(self._async.fork(count))]
+
+    def expose_port(self, port: int) -> PortMapping:
+        """Publish a sandbox port on the host."""
+        return self._loop.run(self._async.expose_port(port))
+
+    def list_ports(self) -> builtins.list[PortMapping]:
+        """Published ports."""
+        return self._loop.run(self._async.list_ports())
+
+    def reset(self, snapshot_id: str | None = None) -> SandboxInfo:
+        """Return to a snapshot (default: as created), verified."""
+        return self._loop.run(self._async.reset(snapshot_id))
+
+    def update_network(self, policy: NetworkPolicy | str) -> SandboxInfo:
+        """Change the egress policy."""
+        return self._loop.run(self._async.update_network(policy))
+
+    def network_log(self) -> builtins.list[dict[str, JsonValue]]:
+        """Every egress decision the sandbox's proxy logged."""
+        return self._loop.run(self._async.network_log())
+
+    def suggest_network(self) -> NetworkAllowlist:
+        """The least-privilege allowlist covering what the sandbox connected to."""
+        return self._loop.run(self._async.suggest_network())
+
+    def explain(self, action: str, **args: object) -> Explanation:
+        """What the policy would decide about an operation here, and why (nothing runs)."""
+        return self._loop.run(self._async.explain(action, **args))
+
+
+@final
+class Client:
+    """The sync SDK against a sandlot server; arguments as for :class:`AsyncClient`."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 120.0,
+        reconnect_timeout: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._loop = EventLoopThread()
+        try:
+            self._async = self._loop.run(
+                _build(url, api_key, timeout, reconnect_timeout, transport)
+            )
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return self._async.url
+
+    def __repr__(self) -> str:
+        return f"<Client {self.url}>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close connections (sandboxes keep running)."""
+        if self._loop.loop.is_closed():
+            return
+        self._loop.run(self._async.aclose())
+        self._loop.close()
+
+    def create(
+        self,
+        spec: SandboxSpec | Mapping[str, JsonValue] | None = None,
+        *,
+        backend: str | None = None,
+        on_setup_output: OutputCallback | None = None,
+        idempotency_key: str | None = None,
+        **fields: object,
+    ) -> RemoteSandbox:
+        """Create a sandbox; see :meth:`AsyncClient.create`."""
+        handle = self._loop.run(
+            self._async.create(
+                spec,
+                backend=backend,
+                on_setup_output=on_setup_output,
+                idempotency_key=idempotency_key,
+                **fields,
+            )
+        )
+        return RemoteSandbox(self, handle)
+
+    def get(self, sandbox_id: str) -> RemoteSandbox:
+        """A handle on an existing sandbox."""
+        return RemoteSandbox(self, self._loop.run(self._async.get(sandbox_id)))
+
+    def list(
+        self,
+        *,
+        labels: Mapping[str, str] | None = None,
+        status: SandboxStatus | Sequence[SandboxStatus] | None = None,
+        backend: str | None = None,
+        owner: str | None = None,
+        include_destroyed: bool = False,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> builtins.list[SandboxInfo]:
+        """Sandbox records, newest first."""
+        return self._loop.run(
+            self._async.list(
+                labels=labels,
+                status=status,
+                backend=backend,
+                owner=owner,
+                include_destroyed=include_destroyed,
+                limit=limit,
+                offset=offset,
+            )
+        )
+
+    def fork(self, source: str, count: int = 1) -> builtins.list[RemoteSandbox]:
+        """New sandboxes from a snapshot id or a sandbox id."""
+        return [RemoteSandbox(self, h) for h in self._loop.run(self._async.fork(source, count))]
+
+    def list_snapshots(self, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
+        """Snapshots, newest first."""
+        return self._loop.run(self._async.list_snapshots(sandbox_id))
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a snapshot."""
+        self._loop.run(self._async.delete_snapshot(snapshot_id))
+
+    def list_approvals(self, status: str | None = "pending") -> builtins.list[Approval]:
+        """Operations held for approval, newest first."""
+        return self._loop.run(self._async.list_approvals(status))
+
+    def approve(self, approval_id: str) -> Approval:
+        """Let a held operation run."""
+        return self._loop.run(self._async.approve(approval_id))
+
+    def deny(self, approval_id: str) -> Approval:
+        """Refuse a held operation."""
+        return self._loop.run(self._async.deny(approval_id))
+
+    def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
+        """Sync records with the backends and reap orphans (admin keys only)."""
+        return self._loop.run(self._async.reconcile(ids))
+
+    def stop_expired(self) -> builtins.list[str]:
+        """Stop sandboxes past their TTL or idle timeout (admin keys only)."""
+        return self._loop.run(self._async.stop_expired())
+
+
+async def _build(
+    url: str | None,
+    api_key: str | None,
+    timeout: float,
+    reconnect_timeout: float,
+    transport: httpx.AsyncBaseTransport | None,
+) -> AsyncClient:
+    # Built on the loop thread, so the connection pool belongs to that loop.
+    return AsyncClient(
+        url, api_key, timeout=timeout, reconnect_timeout=reconnect_timeout, transport=transport
+    )

@@ -1,0 +1,1304 @@
+"""The durable intent journal: idempotent intents, one-use authorizations, fenced transitions.
+
+Every operation the Manager runs for an agent becomes an *intent*, written before anything
+happens and moved through a state machine by fenced updates::
+
+    PREPARED ─authorize─► AUTHORIZED ─allocating─► ALLOCATING ─allocated─► ALLOCATED
+    PREPARED ─deny─► DENIED
+    AUTHORIZED, ALLOCATED ─advance─► RUNNING | RESULT_RECORDED | CLEANING
+    RUNNING ─► RESULT_RECORDED ─► CLEANING ─► CLEANED
+    AUTHORIZED, ALLOCATING, ALLOCATED, RUNNING, CLEANING ─fail─► FAILED
+    any state but CLEANED, DENIED, FAILED ─needs_reconcile─► NEEDS_RECONCILE
+    NEEDS_RECONCILE ─resolve (an operator)─► FAILED | CLEANED
+
+What the database guarantees, whatever the callers do (these are constraints and conditional
+updates, not code paths):
+
+- **Idempotency.** ``UNIQUE (tenant, idempotency_key)``: the first ``begin`` with a key wins
+  the insert; every later one reads the winner back and either replays it (same request) or is
+  refused with ``Conflict`` (another request).
+- **One-use authorization.** An authorization is consumed by
+  ``UPDATE … WHERE consumed_at IS NULL AND expires_at > now``; exactly one caller sees a row
+  changed, and it moves the intent to AUTHORIZED with ``fence + 1`` in the same transaction.
+- **Fencing.** Every later transition is ``UPDATE … WHERE intent_id = :id AND fence = :fence
+  AND state = :expected``. A worker whose lease was taken over (the fence moved on) changes
+  nothing and gets :class:`StaleLease`, before it can touch the backend again.
+- **At most one allocation per intent.** ``provider_allocations`` is keyed by the intent and
+  ALLOCATING is recorded (with the deterministic name the backend will be given) *before* the
+  backend is called, so recovery looks that name up instead of allocating a second time.
+
+Lease expiry is measured on the database's clock on PostgreSQL (``now()``), which every host
+sharing the database agrees on. On SQLite the client's clock is the database's clock: SQLite is
+embedded, and every process that opens the file (WAL needs shared memory) runs on this host.
+
+The journal is synchronous SQLAlchemy Core (the Manager calls it from a worker thread). Give it
+an engine from :func:`sandlot.store.sql.open_engine` (on SQLite, writers then take the write
+lock at ``BEGIN``) whose schema is current. This module must not import the Manager, backends,
+the policy gate or front ends.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING, Final, Literal, NoReturn, final
+
+from sqlalchemy import (
+    BigInteger,
+    Engine,
+    Float,
+    String,
+    Text,
+    and_,
+    bindparam,
+    cast,
+    delete,
+    exists,
+    extract,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError
+
+from sandlot.errors import BackendUnavailable, Conflict, InvalidRequest, InvalidState, NotFound
+from sandlot.journal.schema import (
+    authorizations,
+    intents,
+    journal_events,
+    provider_allocations,
+)
+from sandlot.receipts.canonical import JsonValue, canonical_json, sha256_ref
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection, RowMapping
+    from sqlalchemy.sql.elements import ColumnElement
+
+__all__ = [
+    "FINAL_STATES",
+    "LEASED_STATES",
+    "Allocation",
+    "Begun",
+    "Intent",
+    "IntentState",
+    "Journal",
+    "JournalEvent",
+    "Lease",
+    "StaleLease",
+    "allocation_name",
+]
+
+
+class IntentState(StrEnum):
+    """Where an intent is. Values are the strings stored in the database."""
+
+    PREPARED = "PREPARED"
+    AUTHORIZED = "AUTHORIZED"
+    ALLOCATING = "ALLOCATING"
+    ALLOCATED = "ALLOCATED"
+    RUNNING = "RUNNING"
+    RESULT_RECORDED = "RESULT_RECORDED"
+    CLEANING = "CLEANING"
+    CLEANED = "CLEANED"
+    DENIED = "DENIED"
+    FAILED = "FAILED"
+    NEEDS_RECONCILE = "NEEDS_RECONCILE"
+
+
+S = IntentState
+
+#: States a worker is in the middle of: they hold a lease, and an expired one means the worker
+#: died (or stalled) and recovery must look at what it left.
+LEASED_STATES: Final = frozenset({S.AUTHORIZED, S.ALLOCATING, S.ALLOCATED, S.RUNNING, S.CLEANING})
+#: States nothing moves out of on its own. NEEDS_RECONCILE leaves only by :meth:`Journal.resolve`.
+FINAL_STATES: Final = frozenset({S.CLEANED, S.DENIED, S.FAILED, S.NEEDS_RECONCILE})
+# Where a worker may take a lease: mid-work states (after expiry) and a recorded result (whose
+# allocation may later be cleaned up).
+_TAKEABLE: Final = LEASED_STATES | {S.RESULT_RECORDED}
+# Reached through advance(); the other edges have their own method because they write more
+# than the intent row (an authorization, an allocation) or take no lease (deny, reconcile).
+_ADVANCE: Final[Mapping[IntentState, frozenset[IntentState]]] = {
+    S.AUTHORIZED: frozenset({S.RUNNING, S.RESULT_RECORDED, S.CLEANING, S.FAILED}),
+    S.ALLOCATING: frozenset({S.FAILED}),
+    S.ALLOCATED: frozenset({S.RUNNING, S.RESULT_RECORDED, S.CLEANING, S.FAILED}),
+    S.RUNNING: frozenset({S.RESULT_RECORDED, S.FAILED}),
+    S.RESULT_RECORDED: frozenset({S.CLEANING}),
+    S.CLEANING: frozenset({S.CLEANED, S.FAILED}),
+}
+
+
+class StaleLease(Conflict):
+    """This worker's lease was taken over (or the intent moved on): stop, with no side effects.
+
+    Its code is ``conflict``, so it crosses HTTP and MCP as :class:`~sandlot.errors.Conflict`.
+    """
+
+
+def _dt(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC)
+
+
+def _text(value: str) -> str:
+    """Free text as PostgreSQL can store it (a text column refuses NUL characters)."""
+    return value.replace("\x00", "\ufffd")
+
+
+def allocation_name(intent_id: str, *, prefix: str = "sl-") -> str:
+    """The deterministic backend-side name for the resource ``intent_id`` allocates.
+
+    A retry, a replay and crash recovery all derive the same name, so they find the resource
+    instead of creating a second one. 24 hex digits (96 bits) of the intent id keep it short
+    enough for container and VM names; ``UNIQUE (deterministic_name)`` catches a collision.
+    """
+    digest = intent_id.removeprefix("sha256:")
+    return f"{prefix}{digest[:24]}"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The backend resource an intent allocated (at most one per intent)."""
+
+    backend: str
+    deterministic_name: str
+    provider_ref: str | None
+    """None while ALLOCATING: the backend had not answered when this was recorded."""
+    fence: int
+    created_at: datetime
+    allocated_at: datetime | None
+    released_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Intent:
+    """The durable state of one operation, as stored."""
+
+    intent_id: str
+    request_hash: str
+    tenant: str
+    principal: str
+    op: str
+    idempotency_key: str | None
+    request: dict[str, JsonValue]
+    state: IntentState
+    fence: int
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    sandbox_id: str | None
+    result: JsonValue
+    result_hash: str | None
+    receipt_seq: int | None
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    allocation: Allocation | None
+
+    @property
+    def final(self) -> bool:
+        """Whether nothing will move this intent on its own."""
+        return self.state in FINAL_STATES
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The right to move one intent on: valid while ``fence`` is still the intent's fence."""
+
+    intent_id: str
+    fence: int
+    owner: str
+    state: IntentState
+    expires_at: datetime | None
+    """When others may take over (database clock); None once the intent rests."""
+
+
+@dataclass(frozen=True)
+class Begun:
+    """What :meth:`Journal.begin` found: a new intent, or the existing one for the same key."""
+
+    intent: Intent
+    replay: bool
+    """True when the key was seen before with the same request: ``intent`` is its durable
+    state (any state, a finished result included), and nothing was inserted."""
+
+
+@dataclass(frozen=True)
+class JournalEvent:
+    """One transition in an intent's history."""
+
+    event_id: int
+    intent_id: str
+    from_state: IntentState | None
+    to_state: IntentState
+    fence: int
+    actor: str
+    receipt_seq: int | None
+    note: str | None
+    at: datetime
+
+
+_INTENT_COLUMNS = (
+    *intents.c,
+    provider_allocations.c.backend.label("a_backend"),
+    provider_allocations.c.deterministic_name.label("a_name"),
+    provider_allocations.c.provider_ref.label("a_ref"),
+    provider_allocations.c.fence.label("a_fence"),
+    provider_allocations.c.created_at.label("a_created"),
+    provider_allocations.c.allocated_at.label("a_allocated"),
+    provider_allocations.c.released_at.label("a_released"),
+)
+_INTENT_FROM = intents.outerjoin(
+    provider_allocations, provider_allocations.c.intent_id == intents.c.intent_id
+)
+
+
+def _intent(row: RowMapping) -> Intent:
+    allocation = None
+    if row.get("a_backend") is not None:  # absent from an INSERT … RETURNING row
+        allocation = Allocation(
+            backend=row["a_backend"],
+            deterministic_name=row["a_name"],
+            provider_ref=row["a_ref"],
+            fence=int(row["a_fence"]),
+            created_at=datetime.fromtimestamp(row["a_created"], UTC),
+            allocated_at=_dt(row["a_allocated"]),
+            released_at=_dt(row["a_released"]),
+        )
+    return Intent(
+        intent_id=row["intent_id"],
+        request_hash=row["request_hash"],
+        tenant=row["tenant"],
+        principal=row["principal"],
+        op=row["op"],
+        idempotency_key=row["idempotency_key"],
+        request=json.loads(row["request_json"]),
+        state=IntentState(row["state"]),
+        fence=int(row["fence"]),
+        lease_owner=row["lease_owner"],
+        lease_expires_at=_dt(row["lease_expires_at"]),
+        sandbox_id=row["sandbox_id"],
+        result=None if row["result_json"] is None else json.loads(row["result_json"]),
+        result_hash=row["result_hash"],
+        receipt_seq=row["receipt_seq"],
+        error=row["error"],
+        created_at=datetime.fromtimestamp(row["created_at"], UTC),
+        updated_at=datetime.fromtimestamp(row["updated_at"], UTC),
+        allocation=allocation,
+    )
+
+
+_Params = dict[str, object]
+
+
+class _Sql:
+    """The journal's statements, built once per dialect.
+
+    Building a SQLAlchemy statement (coercing every value, computing its cache key) costs more
+    than running it on SQLite, so the hot-path statements are built here once, with bound
+    parameters, and run with a parameter dict. ``now`` is the clock every statement uses:
+    PostgreSQL's ``now()`` there, a ``:now`` parameter on SQLite (see the module docstring).
+    """
+
+    def __init__(self, pg: bool) -> None:
+        p = bindparam
+        self.now: ColumnElement[float] = (
+            cast(extract("epoch", func.now()), Float) if pg else p("now", type_=Float)
+        )
+        now = self.now
+        upsert = pg_dialect.insert if pg else sqlite_dialect.insert
+        new_intent = {
+            "intent_id": p("v_id"),
+            "request_hash": p("v_request_hash"),
+            "tenant": p("v_tenant"),
+            "principal": p("v_principal"),
+            "op": p("v_op"),
+            "idempotency_key": p("v_key"),
+            "request_json": p("v_request_json"),
+            "state": S.PREPARED.value,
+            "fence": 0,
+            "created_at": now,
+            "updated_at": now,
+        }
+        self.insert_intent = insert(intents).values(new_intent).returning(*intents.c)
+        self.insert_intent_if_new = (
+            upsert(intents).values(new_intent).on_conflict_do_nothing().returning(*intents.c)
+        )
+        self.select_intent = (
+            select(*_INTENT_COLUMNS)
+            .select_from(_INTENT_FROM)
+            .where(intents.c.intent_id == p("v_id"))
+        )
+        # PostgreSQL holds the row until commit; SQLite ignores FOR UPDATE (BEGIN IMMEDIATE
+        # already holds the database's write lock).
+        self.lock_intent = self.select_intent.with_for_update(of=intents)
+        self.select_key = select(intents.c.intent_id, intents.c.op).where(
+            intents.c.tenant == p("v_tenant"), intents.c.idempotency_key == p("v_key")
+        )
+        self.insert_event = insert(journal_events).values(
+            intent_id=p("v_id"),
+            from_state=p("v_from"),
+            to_state=p("v_to"),
+            fence=p("v_fence"),
+            actor=p("v_actor"),
+            receipt_seq=p("v_receipt_seq"),
+            note=p("v_note"),
+            at=now,
+        )
+        self.grant = (
+            upsert(authorizations)
+            .values(
+                auth_id=p("v_auth_id"),
+                intent_id=p("v_id"),
+                decision=p("v_decision"),
+                expires_at=now + p("v_ttl", type_=Float),
+                created_at=now,
+            )
+            .on_conflict_do_nothing()
+            .returning(authorizations.c.auth_id)
+        )
+        self.select_auth = select(authorizations).where(authorizations.c.intent_id == p("v_id"))
+        self.consume = (
+            update(authorizations)
+            .where(
+                authorizations.c.intent_id == p("v_id"),
+                authorizations.c.decision == p("v_decision"),
+                authorizations.c.consumed_at.is_(None),
+                authorizations.c.expires_at > now,
+            )
+            .values(consumed_at=now, consumed_by=p("v_owner"))
+        )
+        self.authorize_intent = (
+            update(intents)
+            .where(intents.c.intent_id == p("v_id"), intents.c.state == S.PREPARED.value)
+            .values(
+                state=S.AUTHORIZED.value,
+                fence=intents.c.fence + 1,
+                lease_owner=p("v_owner"),
+                lease_expires_at=now + p("v_lease", type_=Float),
+                updated_at=now,
+            )
+            .returning(intents.c.fence, intents.c.lease_expires_at)
+        )
+        fenced = (
+            intents.c.intent_id == p("v_id"),
+            intents.c.fence == p("v_fence"),
+            intents.c.state == p("v_expected"),
+        )
+        # Optional fields: a NULL parameter leaves the column as it is.
+        fields = {
+            "sandbox_id": func.coalesce(p("v_sandbox_id", type_=String), intents.c.sandbox_id),
+            "result_json": func.coalesce(p("v_result_json", type_=Text), intents.c.result_json),
+            "result_hash": func.coalesce(p("v_result_hash", type_=String), intents.c.result_hash),
+            "receipt_seq": func.coalesce(
+                p("v_receipt_seq", type_=BigInteger), intents.c.receipt_seq
+            ),
+            "error": func.coalesce(p("v_error", type_=Text), intents.c.error),
+        }
+        self.move_leased = (
+            update(intents)
+            .where(*fenced)
+            .values(
+                state=p("v_to"),
+                lease_expires_at=now + p("v_lease", type_=Float),
+                updated_at=now,
+                **fields,
+            )
+            .returning(intents.c.lease_expires_at)
+        )
+        self.move_resting = (
+            update(intents)
+            .where(*fenced)
+            .values(state=p("v_to"), lease_expires_at=None, updated_at=now, **fields)
+            .returning(intents.c.lease_expires_at)
+        )
+        self.insert_allocation = insert(provider_allocations).values(
+            intent_id=p("v_id"),
+            backend=p("v_backend"),
+            deterministic_name=p("v_name"),
+            fence=p("v_fence"),
+            created_at=now,
+        )
+        self.record_allocation = (
+            update(provider_allocations)
+            .where(
+                provider_allocations.c.intent_id == p("v_id"),
+                or_(
+                    provider_allocations.c.provider_ref.is_(None),
+                    provider_allocations.c.provider_ref == p("v_ref"),
+                ),
+            )
+            .values(provider_ref=p("v_ref"), allocated_at=now, fence=p("v_fence"))
+        )
+        self.release_intent = (
+            update(provider_allocations)
+            .where(
+                provider_allocations.c.intent_id == p("v_id"),
+                provider_allocations.c.released_at.is_(None),
+            )
+            .values(released_at=now)
+        )
+
+
+_SQL: dict[bool, _Sql] = {}
+
+
+@final
+class Journal:
+    """The intent journal on one database.
+
+    Args:
+        engine: An engine from :func:`sandlot.store.sql.open_engine`, schema migrated.
+        owner: Who this journal acts as: the lease holder and the actor in the history (one
+            per process: :func:`sandlot.journal.owner.process_owner`).
+        lease_seconds: How long a lease lasts without a transition or :meth:`renew`. Longer
+            than the slowest backend call between two transitions, or another worker takes
+            over mid-call (safely: the slow worker is fenced out, but its work is wasted).
+    """
+
+    def __init__(self, engine: Engine, *, owner: str, lease_seconds: float = 60.0) -> None:
+        if lease_seconds <= 0:
+            msg = f"lease_seconds must be positive, got {lease_seconds}"
+            raise InvalidRequest(msg)
+        self.engine = engine
+        self.owner = owner
+        self.lease_seconds = lease_seconds
+        self._writer = engine.execution_options(sandlot_write=True)
+        self._pg = engine.dialect.name == "postgresql"
+        if self._pg not in _SQL:
+            _SQL[self._pg] = _Sql(self._pg)
+        self._q = _SQL[self._pg]
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _clock(self) -> _Params:
+        """The ``now`` parameter for one transaction (PostgreSQL reads its own clock)."""
+        return {} if self._pg else {"now": time.time()}
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[tuple[Connection, _Params]]:
+        try:
+            with self._writer.begin() as conn:
+                yield conn, self._clock()
+        except OperationalError as e:
+            msg = f"journal database error: {e.orig}"
+            raise BackendUnavailable(msg) from e
+        except DataError as e:
+            msg = f"the journal database refused a value: {e.orig}"
+            raise InvalidRequest(msg) from e
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[tuple[Connection, _Params]]:
+        try:
+            with self.engine.connect() as conn:
+                yield conn, self._clock()
+        except OperationalError as e:
+            msg = f"journal database error: {e.orig}"
+            raise BackendUnavailable(msg) from e
+        except DataError as e:
+            msg = f"the journal database refused a value: {e.orig}"
+            raise InvalidRequest(msg) from e
+
+    def _event(
+        self,
+        conn: Connection,
+        clock: _Params,
+        intent_id: str,
+        from_state: IntentState | None,
+        to_state: IntentState,
+        fence: int,
+        *,
+        receipt_seq: int | None = None,
+        note: str | None = None,
+    ) -> None:
+        conn.execute(
+            self._q.insert_event,
+            {
+                **clock,
+                "v_id": intent_id,
+                "v_from": None if from_state is None else from_state.value,
+                "v_to": to_state.value,
+                "v_fence": fence,
+                "v_actor": self.owner,
+                "v_receipt_seq": receipt_seq,
+                "v_note": note,
+            },
+        )
+
+    def _load(self, conn: Connection, intent_id: str, *, lock: bool = False) -> Intent:
+        stmt = self._q.lock_intent if lock else self._q.select_intent
+        row = conn.execute(stmt, {"v_id": intent_id}).mappings().first()
+        if row is None:
+            msg = f"no intent {intent_id!r}"
+            raise NotFound(msg, intent_id=intent_id)
+        return _intent(row)
+
+    def _stale(self, conn: Connection, lease: Lease, action: str) -> NoReturn:
+        current = self._load(conn, lease.intent_id)
+        msg = (
+            f"cannot {action} intent {lease.intent_id}: the lease with fence {lease.fence} "
+            f"(state {lease.state}) is stale; the intent is {current.state} at fence "
+            f"{current.fence}, held by {current.lease_owner}"
+        )
+        raise StaleLease(
+            msg, intent_id=lease.intent_id, fence=lease.fence, current_fence=current.fence
+        )
+
+    # -- beginning ------------------------------------------------------------------------------
+
+    def begin(
+        self,
+        *,
+        tenant: str,
+        principal: str,
+        op: str,
+        request: Mapping[str, JsonValue],
+        idempotency_key: str | None,
+    ) -> Begun:
+        """Record the intent to do ``op``, or find the one an earlier call with the key made.
+
+        The intent id is the SHA-256 of the RFC 8785 form of ``{op, tenant, request}`` and the
+        idempotency key (or, without a key, a random nonce, so that two identical requests
+        without keys are two intents). ``request_hash`` is the hash without the key: two
+        calls with one key carry the same request exactly when their intent ids are equal.
+
+        Args:
+            tenant: The tenant the key is scoped to.
+            principal: Who asked (recorded; not part of the identity).
+            op: The operation, e.g. ``"sandbox.create"``.
+            request: The normalized request, as JSON.
+            idempotency_key: The caller's key, or None for a one-off intent.
+
+        Returns:
+            The new intent (``replay=False``, state PREPARED), or the existing durable state of
+            the key's intent, whatever its state (``replay=True``).
+
+        Raises:
+            Conflict: The key was used before with a different request.
+            InvalidRequest: The request cannot be written as canonical JSON.
+        """
+        body: dict[str, JsonValue] = {"op": op, "tenant": tenant, "request": dict(request)}
+        request_hash = sha256_ref(canonical_json(body))
+        if idempotency_key is None:
+            identity = {**body, "nonce": secrets.token_hex(16)}
+        else:
+            identity = {**body, "idempotency_key": idempotency_key}
+        intent_id = sha256_ref(canonical_json(identity))
+        values: _Params = {
+            "v_id": intent_id,
+            "v_request_hash": request_hash,
+            "v_tenant": tenant,
+            "v_principal": principal,
+            "v_op": op,
+            "v_key": idempotency_key,
+            "v_request_json": canonical_json(body["request"]).decode(),
+        }
+        with self._write() as (conn, clock):
+            # RETURNING, not rowcount: with DO NOTHING the row count is not reliable across
+            # drivers, while "a row came back" means exactly "this call inserted it".
+            stmt = (
+                self._q.insert_intent if idempotency_key is None else self._q.insert_intent_if_new
+            )
+            row = conn.execute(stmt, {**clock, **values}).mappings().first()
+            if row is not None:
+                self._event(conn, clock, intent_id, None, S.PREPARED, 0)
+                return Begun(intent=_intent(row), replay=False)
+            existing = conn.execute(
+                self._q.select_key, {"v_tenant": tenant, "v_key": idempotency_key}
+            ).first()
+            if existing is None:
+                # The insert hit another unique constraint: the same intent id under another
+                # (tenant, key) pair, which a SHA-256 collision alone could produce.
+                msg = f"intent {intent_id} exists under another key"
+                raise Conflict(msg, intent_id=intent_id)
+            if existing.intent_id != intent_id:
+                msg = (
+                    f"idempotency key {idempotency_key!r} was reused with a different request "
+                    f"(it was first used for {existing.op}, intent {existing.intent_id})"
+                )
+                raise Conflict(msg, idempotency_key=idempotency_key, intent_id=existing.intent_id)
+            return Begun(intent=self._load(conn, intent_id), replay=True)
+
+    def deny(self, intent_id: str, *, decision: str, reason: str) -> Intent:
+        """Record that the gate denied a PREPARED intent (final: a replay gets the denial).
+
+        Raises:
+            NotFound: No such intent.
+            InvalidState: The intent is no longer PREPARED.
+        """
+        with self._write() as (conn, clock):
+            res = conn.execute(
+                update(intents)
+                .where(intents.c.intent_id == intent_id, intents.c.state == S.PREPARED.value)
+                .values(state=S.DENIED.value, error=_text(reason), updated_at=self._q.now)
+                .returning(intents.c.fence),
+                clock,
+            ).first()
+            if res is None:
+                current = self._load(conn, intent_id)
+                msg = f"cannot deny intent {intent_id}: it is {current.state}, not PREPARED"
+                raise InvalidState(msg, intent_id=intent_id, state=current.state.value)
+            self._event(conn, clock, intent_id, S.PREPARED, S.DENIED, res.fence, note=decision)
+            return self._load(conn, intent_id)
+
+    # -- authorization ------------------------------------------------------------------------
+
+    def grant(self, intent_id: str, *, decision: str, ttl: float = 300.0) -> None:
+        """Create the one-use authorization for ``intent_id``, bound to an ALLOW decision.
+
+        Granting again with the same decision is a no-op (a retried grant). An intent has one
+        authorization ever, and a decision authorizes one intent.
+
+        Args:
+            intent_id: The PREPARED intent the decision allowed.
+            decision: The ``entry_hash`` of the ALLOW decision receipt. Without a policy gate
+                there is no receipt: pass a per-intent marker such as ``f"ungated:{intent_id}"``.
+            ttl: Seconds the authorization may wait to be consumed.
+
+        Raises:
+            NotFound: No such intent.
+            Conflict: The intent was authorized by another decision, or the decision already
+                authorizes another intent.
+        """
+        with self._write() as (conn, clock):
+            self._grant(conn, clock, intent_id, decision, ttl)
+
+    def _grant(
+        self, conn: Connection, clock: _Params, intent_id: str, decision: str, ttl: float
+    ) -> None:
+        params = {
+            **clock,
+            "v_auth_id": secrets.token_hex(16),
+            "v_id": intent_id,
+            "v_decision": decision,
+            "v_ttl": ttl,
+        }
+        try:
+            if conn.execute(self._q.grant, params).first() is not None:
+                return
+        except IntegrityError as e:  # ON CONFLICT swallows unique violations, not this one
+            msg = f"no intent {intent_id!r}"
+            raise NotFound(msg, intent_id=intent_id) from e
+        bound = conn.execute(self._q.select_auth, {"v_id": intent_id}).first()
+        if bound is None:
+            msg = f"decision {decision} already authorizes another intent"
+            raise Conflict(msg, intent_id=intent_id, decision=decision)
+        if bound.decision != decision:
+            msg = f"intent {intent_id} is already authorized by decision {bound.decision}"
+            raise Conflict(msg, intent_id=intent_id, decision=bound.decision)
+
+    def consume(self, intent_id: str, *, decision: str) -> Lease:
+        """Use up the intent's authorization, once: PREPARED -> AUTHORIZED, a new fence, a lease.
+
+        Exactly one caller (thread, process or host) succeeds; every other one gets
+        ``Conflict`` and must not run the operation.
+
+        Raises:
+            Conflict: The authorization is already consumed, expired, bound to another
+                decision, or missing; or the intent is no longer PREPARED.
+        """
+        with self._write() as (conn, clock):
+            return self._consume(conn, clock, intent_id, decision)
+
+    def _consume(self, conn: Connection, clock: _Params, intent_id: str, decision: str) -> Lease:
+        params = {
+            **clock,
+            "v_id": intent_id,
+            "v_decision": decision,
+            "v_owner": self.owner,
+            "v_lease": self.lease_seconds,
+        }
+        if conn.execute(self._q.consume, params).rowcount != 1:
+            auth = conn.execute(self._q.select_auth, {"v_id": intent_id}).first()
+            if auth is None:
+                why = "it has no authorization"
+            elif auth.decision != decision:
+                why = f"its authorization is bound to decision {auth.decision}"
+            elif auth.consumed_at is not None:
+                why = f"its authorization was already consumed by {auth.consumed_by}"
+            else:
+                why = "its authorization expired"
+            msg = f"cannot run intent {intent_id}: {why}"
+            raise Conflict(msg, intent_id=intent_id)
+        row = conn.execute(self._q.authorize_intent, params).first()
+        if row is None:
+            # Raising rolls the consumption back: the authorization stays unused.
+            current = self._load(conn, intent_id)
+            msg = f"cannot run intent {intent_id}: it is {current.state}, not PREPARED"
+            raise Conflict(msg, intent_id=intent_id, state=current.state.value)
+        fence = int(row.fence)
+        self._event(conn, clock, intent_id, S.PREPARED, S.AUTHORIZED, fence, note=decision)
+        return Lease(intent_id, fence, self.owner, S.AUTHORIZED, _dt(row.lease_expires_at))
+
+    def authorize(self, intent_id: str, *, decision: str, ttl: float = 300.0) -> Lease:
+        """:meth:`grant` and :meth:`consume` in one transaction: the usual path after ALLOW.
+
+        Raises:
+            NotFound: No such intent.
+            Conflict: Another caller consumed the authorization first (a concurrent worker or
+                a replay), the intent is no longer PREPARED, or the decision is bound elsewhere.
+        """
+        with self._write() as (conn, clock):
+            self._grant(conn, clock, intent_id, decision, ttl)
+            return self._consume(conn, clock, intent_id, decision)
+
+    # -- fenced transitions ---------------------------------------------------------------------
+
+    def _move(
+        self,
+        conn: Connection,
+        clock: _Params,
+        lease: Lease,
+        to_state: IntentState,
+        *,
+        action: str,
+        fields: Mapping[str, object] | None = None,
+        receipt_seq: int | None = None,
+        note: str | None = None,
+    ) -> Lease:
+        stmt = self._q.move_resting if to_state not in LEASED_STATES else self._q.move_leased
+        params: _Params = {
+            **clock,
+            "v_sandbox_id": None,
+            "v_result_json": None,
+            "v_result_hash": None,
+            "v_receipt_seq": receipt_seq,
+            "v_error": None,
+            **(fields or {}),
+            "v_id": lease.intent_id,
+            "v_fence": lease.fence,
+            "v_expected": lease.state.value,
+            "v_to": to_state.value,
+            "v_lease": self.lease_seconds,
+        }
+        row = conn.execute(stmt, params).first()
+        if row is None:
+            self._stale(conn, lease, action)
+        if to_state != lease.state or note is not None:
+            self._event(
+                conn,
+                clock,
+                lease.intent_id,
+                lease.state,
+                to_state,
+                lease.fence,
+                receipt_seq=receipt_seq,
+                note=note,
+            )
+        return Lease(lease.intent_id, lease.fence, lease.owner, to_state, _dt(row.lease_expires_at))
+
+    def advance(
+        self,
+        lease: Lease,
+        to_state: IntentState | str,
+        *,
+        sandbox_id: str | None = None,
+        result: JsonValue = None,
+        result_hash: str | None = None,
+        receipt_seq: int | None = None,
+        error: str | None = None,
+        note: str | None = None,
+    ) -> Lease:
+        """Move the intent from ``lease.state`` to ``to_state``, if ``lease`` is still current.
+
+        Moving to a leased state renews the lease; moving to a resting state ends it. Fields
+        given are written in the same update; ``receipt_seq`` also goes into the history.
+
+        Raises:
+            StaleLease: The fence moved on or the state is not ``lease.state`` (another worker
+                took over): stop without side effects.
+            InvalidRequest: ``to_state`` is not reachable from ``lease.state`` through this
+                method (ALLOCATING/ALLOCATED/AUTHORIZED/DENIED/NEEDS_RECONCILE have their own).
+        """
+        target = IntentState(to_state)
+        if target not in _ADVANCE.get(lease.state, frozenset()):
+            msg = f"no transition {lease.state} -> {target} through advance()"
+            raise InvalidRequest(msg, intent_id=lease.intent_id)
+        fields: _Params = {"v_sandbox_id": sandbox_id, "v_result_hash": result_hash}
+        if result is not None:
+            document = canonical_json(result)
+            fields["v_result_json"] = document.decode()
+            fields["v_result_hash"] = result_hash or sha256_ref(document)
+        if error is not None:
+            fields["v_error"] = _text(error)
+        with self._write() as (conn, clock):
+            new = self._move(
+                conn,
+                clock,
+                lease,
+                target,
+                action=f"move to {target}",
+                fields=fields,
+                receipt_seq=receipt_seq,
+                note=None if note is None else _text(note),
+            )
+            if target is S.CLEANED:
+                conn.execute(self._q.release_intent, {**clock, "v_id": lease.intent_id})
+            return new
+
+    def renew(self, lease: Lease) -> Lease:
+        """Extend the lease (a heartbeat during a long backend call); fenced like a transition.
+
+        Raises:
+            StaleLease: Another worker took over.
+        """
+        with self._write() as (conn, clock):
+            return self._move(conn, clock, lease, lease.state, action="renew")
+
+    def attach_sandbox(self, lease: Lease, sandbox_id: str) -> Lease:
+        """Record the sandbox this intent created or acts on (no state change).
+
+        Raises:
+            StaleLease: Another worker took over.
+        """
+        with self._write() as (conn, clock):
+            return self._move(
+                conn,
+                clock,
+                lease,
+                lease.state,
+                action="attach a sandbox to",
+                fields={"v_sandbox_id": sandbox_id},
+            )
+
+    def allocating(self, lease: Lease, *, backend: str, name: str) -> Lease:
+        """AUTHORIZED -> ALLOCATING, recording the allocation *before* the backend is called.
+
+        Args:
+            lease: The lease from :meth:`authorize` (state AUTHORIZED).
+            backend: The backend that will hold the resource.
+            name: The deterministic name/label the backend will be given
+                (:func:`allocation_name`); recovery looks the resource up by it.
+
+        Raises:
+            StaleLease: Another worker took over.
+            Conflict: The intent already has an allocation, or ``name`` is another intent's.
+        """
+        if lease.state is not S.AUTHORIZED:
+            msg = f"allocating() needs an AUTHORIZED lease, not {lease.state}"
+            raise InvalidRequest(msg, intent_id=lease.intent_id)
+        try:
+            with self._write() as (conn, clock):
+                new = self._move(
+                    conn,
+                    clock,
+                    lease,
+                    S.ALLOCATING,
+                    action="start allocating for",
+                    note=f"{backend}:{name}",
+                )
+                conn.execute(
+                    self._q.insert_allocation,
+                    {
+                        **clock,
+                        "v_id": lease.intent_id,
+                        "v_backend": backend,
+                        "v_name": name,
+                        "v_fence": lease.fence,
+                    },
+                )
+                return new
+        except IntegrityError as e:
+            msg = (
+                f"intent {lease.intent_id} cannot allocate {backend}:{name}: it already has "
+                "an allocation, or the name belongs to another intent"
+            )
+            raise Conflict(msg, intent_id=lease.intent_id, name=name) from e
+
+    def allocated(self, lease: Lease, *, provider_ref: str) -> Lease:
+        """ALLOCATING -> ALLOCATED: the backend created (or recovery adopted) the resource.
+
+        Raises:
+            StaleLease: Another worker took over.
+            Conflict: A different provider_ref was already recorded for this intent, or
+                ``provider_ref`` is another intent's on the same backend.
+        """
+        if lease.state is not S.ALLOCATING:
+            msg = f"allocated() needs an ALLOCATING lease, not {lease.state}"
+            raise InvalidRequest(msg, intent_id=lease.intent_id)
+        try:
+            with self._write() as (conn, clock):
+                new = self._move(conn, clock, lease, S.ALLOCATED, action="record the allocation of")
+                res = conn.execute(
+                    self._q.record_allocation,
+                    {
+                        **clock,
+                        "v_id": lease.intent_id,
+                        "v_ref": provider_ref,
+                        "v_fence": lease.fence,
+                    },
+                )
+                if res.rowcount != 1:
+                    msg = (
+                        f"intent {lease.intent_id} already recorded another resource than "
+                        f"{provider_ref!r}"
+                    )
+                    raise Conflict(msg, intent_id=lease.intent_id)
+                return new
+        except IntegrityError as e:
+            msg = f"provider_ref {provider_ref!r} is already another intent's allocation"
+            raise Conflict(msg, intent_id=lease.intent_id, provider_ref=provider_ref) from e
+
+    def record_result(
+        self,
+        lease: Lease,
+        *,
+        result: Mapping[str, JsonValue],
+        result_hash: str | None = None,
+        receipt_seq: int | None,
+    ) -> Lease:
+        """Store the operation's result (replays return it) and move to RESULT_RECORDED.
+
+        Args:
+            lease: A lease in AUTHORIZED, ALLOCATED or RUNNING.
+            result: The result as JSON (a sandbox record, an ExecResult, …).
+            result_hash: Its hash as the execution receipt states it (default: SHA-256 of its
+                RFC 8785 form).
+            receipt_seq: The execution receipt's seq, if any.
+
+        Raises:
+            StaleLease: Another worker took over.
+        """
+        return self.advance(
+            lease,
+            S.RESULT_RECORDED,
+            result=dict(result),
+            result_hash=result_hash,
+            receipt_seq=receipt_seq,
+        )
+
+    def fail(self, lease: Lease, *, error: str) -> Lease:
+        """Record a definitive failure (final; a replay gets ``error``).
+
+        Only for a failure that left nothing behind, or whose leftovers the caller cleaned:
+        when the outcome of a backend call is unknown, use :meth:`needs_reconcile`.
+
+        Raises:
+            StaleLease: Another worker took over.
+        """
+        if lease.state not in LEASED_STATES:
+            msg = f"cannot fail an intent in {lease.state}"
+            raise InvalidRequest(msg, intent_id=lease.intent_id)
+        error = _text(error)
+        with self._write() as (conn, clock):
+            return self._move(
+                conn,
+                clock,
+                lease,
+                S.FAILED,
+                action="fail",
+                fields={"v_error": error},
+                note=error,
+            )
+
+    def needs_reconcile(self, intent_id: str, *, why: str) -> None:
+        """Park the intent for an operator: the outcome of a side effect cannot be known.
+
+        Fails closed: the fence moves on, so a worker still holding a lease is stopped at its
+        next transition, and nothing moves the intent until :meth:`resolve`. Idempotent on an
+        intent already in NEEDS_RECONCILE.
+
+        Raises:
+            NotFound: No such intent.
+            InvalidState: The intent already ended (CLEANED, DENIED or FAILED).
+        """
+        why = _text(why)
+        with self._write() as (conn, clock):
+            current = self._load(conn, intent_id, lock=True)
+            if current.state is S.NEEDS_RECONCILE:
+                return
+            if current.final:
+                msg = f"intent {intent_id} already ended in {current.state}"
+                raise InvalidState(msg, intent_id=intent_id, state=current.state.value)
+            conn.execute(
+                update(intents)
+                .where(intents.c.intent_id == intent_id, intents.c.fence == current.fence)
+                .values(
+                    state=S.NEEDS_RECONCILE.value,
+                    fence=current.fence + 1,
+                    lease_expires_at=None,
+                    error=why,
+                    updated_at=self._q.now,
+                ),
+                clock,
+            )
+            self._event(
+                conn,
+                clock,
+                intent_id,
+                current.state,
+                S.NEEDS_RECONCILE,
+                current.fence + 1,
+                note=why,
+            )
+
+    def resolve(
+        self, intent_id: str, *, outcome: Literal["FAILED", "CLEANED"], note: str
+    ) -> Intent:
+        """An operator's verdict on a NEEDS_RECONCILE intent, after looking at the backend.
+
+        Args:
+            intent_id: The intent.
+            outcome: ``"CLEANED"`` when its resource is gone (or was removed by hand),
+                ``"FAILED"`` when it never existed or must be forgotten.
+            note: What the operator found (kept in the history).
+
+        Raises:
+            NotFound: No such intent.
+            InvalidState: The intent is not in NEEDS_RECONCILE.
+        """
+        target = IntentState(outcome)
+        note = _text(note)
+        with self._write() as (conn, clock):
+            row = conn.execute(
+                update(intents)
+                .where(
+                    intents.c.intent_id == intent_id,
+                    intents.c.state == S.NEEDS_RECONCILE.value,
+                )
+                .values(state=target.value, updated_at=self._q.now)
+                .returning(intents.c.fence),
+                clock,
+            ).first()
+            if row is None:
+                current = self._load(conn, intent_id)
+                msg = f"intent {intent_id} is {current.state}, not NEEDS_RECONCILE"
+                raise InvalidState(msg, intent_id=intent_id, state=current.state.value)
+            self._event(conn, clock, intent_id, S.NEEDS_RECONCILE, target, row.fence, note=note)
+            if target is S.CLEANED:
+                conn.execute(self._q.release_intent, {**clock, "v_id": intent_id})
+            return self._load(conn, intent_id)
+
+    def release(self, *, backend: str, provider_ref: str) -> bool:
+        """Mark the allocation of ``provider_ref`` released (its resource was destroyed).
+
+        For a resource one intent created and another (a destroy) removed. Idempotent.
+
+        Returns:
+            Whether an unreleased allocation was found.
+        """
+        with self._write() as (conn, clock):
+            res = conn.execute(
+                update(provider_allocations)
+                .where(
+                    provider_allocations.c.backend == backend,
+                    provider_allocations.c.provider_ref == provider_ref,
+                    provider_allocations.c.released_at.is_(None),
+                )
+                .values(released_at=self._q.now),
+                clock,
+            )
+            return res.rowcount == 1
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    def stale(self, *, now: datetime | None = None) -> builtins.list[Intent]:
+        """Intents in a leased state whose lease expired: their worker died or stalled.
+
+        PREPARED intents are not stale: nothing was done for them yet, and a replay of their
+        key carries on (a HOLD may keep one PREPARED for a long time, legitimately).
+
+        Args:
+            now: The time to compare with (default: the database's clock).
+        """
+        clock: ColumnElement[float] = (
+            self._q.now if now is None else literal(now.timestamp(), Float)
+        )
+        stmt = (
+            select(*_INTENT_COLUMNS)
+            .select_from(_INTENT_FROM)
+            .where(
+                intents.c.state.in_(sorted(s.value for s in LEASED_STATES)),
+                intents.c.lease_expires_at <= clock,
+            )
+            .order_by(intents.c.lease_expires_at, intents.c.intent_id)
+        )
+        with self._read() as (conn, params):
+            return [_intent(r) for r in conn.execute(stmt, params).mappings()]
+
+    def take_over(self, intent_id: str, *, dead_owner: str | None = None) -> Lease:
+        """Take the intent's lease with a new fence, if its holder's lease expired (or its
+        holder is ``dead_owner``, a process the caller proved gone with :func:`owner_alive`:
+        after a crash on this host there is no need to wait the lease out).
+
+        The old holder is fenced out: its next transition raises :class:`StaleLease`. A
+        RESULT_RECORDED intent (no lease) can be taken to clean up its allocation.
+
+        Raises:
+            NotFound: No such intent.
+            Conflict: The lease is still held (not expired).
+            InvalidState: The intent is PREPARED (authorize it) or final.
+        """
+        with self._write() as (conn, clock):
+            current = self._load(conn, intent_id, lock=True)
+            if current.state not in _TAKEABLE:
+                msg = f"intent {intent_id} is {current.state}: there is no lease to take over"
+                raise InvalidState(msg, intent_id=intent_id, state=current.state.value)
+            now = self._q.now
+            free = [intents.c.lease_expires_at.is_(None), intents.c.lease_expires_at <= now]
+            if dead_owner is not None:
+                free.append(intents.c.lease_owner == dead_owner)
+            row = conn.execute(
+                update(intents)
+                .where(
+                    intents.c.intent_id == intent_id,
+                    intents.c.fence == current.fence,
+                    or_(*free),
+                )
+                .values(
+                    fence=intents.c.fence + 1,
+                    lease_owner=self.owner,
+                    lease_expires_at=now + self.lease_seconds,
+                    updated_at=now,
+                )
+                .returning(intents.c.fence, intents.c.lease_expires_at),
+                clock,
+            ).first()
+            if row is None:
+                msg = (
+                    f"intent {intent_id} is leased to {current.lease_owner} until "
+                    f"{current.lease_expires_at}"
+                )
+                raise Conflict(msg, intent_id=intent_id, lease_owner=current.lease_owner)
+            fence = int(row.fence)
+            self._event(
+                conn,
+                clock,
+                intent_id,
+                current.state,
+                current.state,
+                fence,
+                note=f"took over from {current.lease_owner} (fence {current.fence})",
+            )
+            return Lease(intent_id, fence, self.owner, current.state, _dt(row.lease_expires_at))
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def get(self, intent_id: str) -> Intent:
+        """The intent's durable state.
+
+        Raises:
+            NotFound: No such intent.
+        """
+        with self._read() as (conn, _):
+            return self._load(conn, intent_id)
+
+    def find(self, tenant: str, idempotency_key: str) -> Intent | None:
+        """The tenant's intent for ``idempotency_key``, if any."""
+        stmt = (
+            select(*_INTENT_COLUMNS)
+            .select_from(_INTENT_FROM)
+            .where(intents.c.tenant == tenant, intents.c.idempotency_key == idempotency_key)
+        )
+        with self._read() as (conn, _):
+            row = conn.execute(stmt).mappings().first()
+        return None if row is None else _intent(row)
+
+    def list(
+        self,
+        *,
+        tenant: str | None = None,
+        states: Sequence[IntentState | str] | None = None,
+        sandbox_id: str | None = None,
+        limit: int | None = None,
+    ) -> builtins.list[Intent]:
+        """Intents, oldest first, filtered (for ``sandlot doctor`` and ``get``)."""
+        conds: builtins.list[ColumnElement[bool]] = []
+        if tenant is not None:
+            conds.append(intents.c.tenant == tenant)
+        if states is not None:
+            conds.append(intents.c.state.in_(sorted(IntentState(s).value for s in states)))
+        if sandbox_id is not None:
+            conds.append(intents.c.sandbox_id == sandbox_id)
+        stmt = (
+            select(*_INTENT_COLUMNS)
+            .select_from(_INTENT_FROM)
+            .where(and_(True, *conds))
+            .order_by(intents.c.created_at, intents.c.intent_id)
+        )
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self._read() as (conn, _):
+            return [_intent(r) for r in conn.execute(stmt).mappings()]
+
+    def events(self, intent_id: str) -> builtins.list[JournalEvent]:
+        """The intent's history, oldest first."""
+        stmt = (
+            select(journal_events)
+            .where(journal_events.c.intent_id == intent_id)
+            .order_by(journal_events.c.event_id)
+        )
+        with self._read() as (conn, _):
+            return [
+                JournalEvent(
+                    event_id=int(r.event_id),
+                    intent_id=r.intent_id,
+                    from_state=None if r.from_state is None else IntentState(r.from_state),
+                    to_state=IntentState(r.to_state),
+                    fence=int(r.fence),
+                    actor=r.actor,
+                    receipt_seq=r.receipt_seq,
+                    note=r.note,
+                    at=datetime.fromtimestamp(r.at, UTC),
+                )
+                for r in conn.execute(stmt)
+            ]
+
+    def wait(self, intent_id: str, *, timeout: float, poll: float = 0.05) -> Intent:
+        """Wait until nobody is working on the intent: it rests, or its worker's lease expired.
+
+        For a replay that arrives while the first attempt is still running: it returns the
+        finished state when the first attempt ends within ``timeout``, else the state then.
+        """
+        deadline = time.monotonic() + timeout
+        busy = select(
+            select(intents.c.intent_id)
+            .where(
+                intents.c.intent_id == intent_id,
+                intents.c.state.in_(sorted(s.value for s in LEASED_STATES)),
+                intents.c.lease_expires_at > self._q.now,
+            )
+            .exists()
+        )
+        while True:
+            with self._read() as (conn, clock):
+                working = bool(conn.execute(busy, clock).scalar())
+            if not working or time.monotonic() >= deadline:
+                return self.get(intent_id)
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+    def prune(self, *, before: datetime) -> int:
+        """Forget ended intents last changed before ``before`` (keys become reusable).
+
+        An intent whose allocation was never released is kept whatever its state: it is the
+        record that a resource exists.
+
+        Returns:
+            How many intents were removed.
+        """
+        ended = (S.CLEANED, S.DENIED, S.FAILED, S.RESULT_RECORDED)
+        live_allocation = exists().where(
+            provider_allocations.c.intent_id == intents.c.intent_id,
+            provider_allocations.c.released_at.is_(None),
+            provider_allocations.c.provider_ref.is_not(None),
+        )
+        doomed = select(intents.c.intent_id).where(
+            intents.c.state.in_([s.value for s in ended]),
+            intents.c.updated_at < before.timestamp(),
+            ~live_allocation,
+        )
+        with self._write() as (conn, _):
+            # Children first: foreign keys cascade on both databases, but the journal must not
+            # depend on PRAGMA foreign_keys being on for a connection someone else made.
+            for table in (journal_events, authorizations, provider_allocations):
+                conn.execute(delete(table).where(table.c.intent_id.in_(doomed)))
+            return conn.execute(delete(intents).where(intents.c.intent_id.in_(doomed))).rowcount

@@ -1,0 +1,58 @@
+"""``sandlot mcp``: the MCP server on stdio, for desktop and IDE clients that launch it.
+
+The tools run on an embedded Manager (the same state as the CLI), or against a server when
+``SANDLOT_URL`` is set (then ``SANDLOT_API_KEY`` names the tenant). Only stdout carries the
+protocol; anything else goes to stderr. This module must not import backends or the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from mcp.server.mcpserver import Context
+
+from sandlot.mcp.server import SandlotApi, build_server
+
+__all__ = ["serve_stdio"]
+
+
+async def serve_stdio(
+    *,
+    home: Path | None = None,
+    backend: str | None = None,
+    database: str | None = None,
+    url: str | None = None,
+    api_key: str | None = None,
+    upload_roots: Sequence[Path] = (),
+) -> None:
+    """Serve the tools on stdin/stdout until the client closes the stream.
+
+    Args:
+        home: State directory of the embedded Manager.
+        backend: Backend for new sandboxes.
+        database: Database URL of the embedded Manager.
+        url: A sandlot server to use instead of an embedded Manager.
+        api_key: The key for ``url``.
+        upload_roots: Host directories ``upload_dir`` may read.
+    """
+    api: SandlotApi
+    if url:
+        from sandlot.client import AsyncClient
+
+        remote = AsyncClient(url, api_key)
+        api, closer, mode = remote, remote.aclose, url
+    else:
+        from sandlot.sdk import AsyncSandlot
+
+        local = AsyncSandlot(home, backend, database)
+        api, closer, mode = local, local.aclose, "embedded"
+
+    async def provider(ctx: Context) -> SandlotApi:
+        return api
+
+    server = build_server(provider, mode=mode, upload_roots=upload_roots)
+    try:
+        await server.run_stdio_async()
+    finally:
+        await closer()

@@ -1,0 +1,276 @@
+"""API keys: who a request acts as (tenant, principal, admin), from a bearer key.
+
+A key is ``sandlot_`` followed by 256 random bits; the database keeps only its SHA-256
+(:mod:`sandlot.server.schema`), so a leaked database does not leak keys, and the key text is
+shown exactly once, when it is made. Authentication is one indexed lookup, cached briefly
+(``cache_ttl``) so a busy client does not cost a query per request; a revocation therefore
+takes effect within ``cache_ttl`` seconds on servers that already saw the key.
+
+This module owns the key table's reads and writes; it must not import backends, the Manager
+or any web framework.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import TypeVar, final
+
+import anyio.to_thread
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import insert, inspect, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from sandlot.errors import BackendUnavailable, Conflict, InvalidRequest, NotFound
+from sandlot.models import Actor, new_id
+from sandlot.server.schema import api_keys
+from sandlot.store.migrate import upgrade
+from sandlot.store.sql import open_engine
+
+__all__ = ["KEY_PREFIX", "ApiKeyInfo", "ApiKeyStore", "NewApiKey", "hash_key"]
+
+T = TypeVar("T")
+
+KEY_PREFIX = "sandlot_"
+"""Every key starts with this, so secret scanners and humans recognise one."""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:-]{0,127}$")
+
+
+def hash_key(key: str) -> str:
+    """The stored form of a key: hex SHA-256 of its text."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiKeyInfo(BaseModel):
+    """What is known about a key, without the key itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    id: str
+    """Stable id (``ak-…``), used to revoke it."""
+    prefix: str
+    """The first characters of the key, to recognise it."""
+    tenant: str
+    """The tenant whose records the key sees."""
+    principal: str
+    """Who the key acts as, in policy decisions and receipts."""
+    admin: bool = False
+    """Admin keys see every tenant and may reconcile."""
+    description: str | None = None
+    """Free text given at creation."""
+    created_at: datetime
+    """When it was made."""
+    revoked_at: datetime | None = None
+    """When it was revoked (it no longer authenticates)."""
+
+    @property
+    def actor(self) -> Actor:
+        """The actor requests with this key act as."""
+        return Actor(tenant=self.tenant, principal=self.principal, admin=self.admin)
+
+
+class NewApiKey(BaseModel):
+    """A key just made: the only time its text is available."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    """The secret, to hand to the client (``SANDLOT_API_KEY``)."""
+    info: ApiKeyInfo
+    """Its record."""
+
+
+def _check_name(value: str, what: str) -> str:
+    if not _NAME.match(value):
+        msg = f"{what} {value!r} must be 1-128 letters, digits or . _ @ : - (starting with a letter or digit)"
+        raise InvalidRequest(msg)
+    return value
+
+
+def _ts(value: float | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, UTC)
+
+
+def _info(row: object) -> ApiKeyInfo:
+    m = row._mapping  # type: ignore[attr-defined]
+    created = _ts(m["created_at"])
+    assert created is not None
+    return ApiKeyInfo(
+        id=m["id"],
+        prefix=m["prefix"],
+        tenant=m["tenant"],
+        principal=m["principal"],
+        admin=bool(m["admin"]),
+        description=m["description"],
+        created_at=created,
+        revoked_at=_ts(m["revoked_at"]),
+    )
+
+
+@final
+class ApiKeyStore:
+    """API keys in the sandlot database (the same one the sandbox records live in).
+
+    Args:
+        url: A SQLAlchemy database URL (SQLite or PostgreSQL).
+        cache_ttl: Seconds a successful authentication is remembered (0 disables the cache).
+    """
+
+    def __init__(self, url: str, *, cache_ttl: float = 2.0) -> None:
+        self.url = url
+        self.cache_ttl = cache_ttl
+        self.engine = open_engine(url)
+        self._writer = self.engine.execution_options(sandlot_write=True)
+        self._ready = False
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[Actor, float]] = {}
+
+    def _ensure_schema(self) -> None:
+        if self._ready:
+            return
+        with self._lock:
+            if self._ready:
+                return
+            upgrade(self.engine)
+            if not inspect(self.engine).has_table("api_keys"):
+                msg = "the database has no api_keys table: its migrations are incomplete (revision 0004)"
+                raise BackendUnavailable(msg)
+            self._ready = True
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        def call() -> T:
+            try:
+                self._ensure_schema()
+                return fn()
+            except OperationalError as e:
+                msg = f"database error: {e.orig}"
+                raise BackendUnavailable(msg) from e
+
+        return await anyio.to_thread.run_sync(call)
+
+    async def create(
+        self,
+        tenant: str,
+        principal: str | None = None,
+        *,
+        admin: bool = False,
+        description: str | None = None,
+    ) -> NewApiKey:
+        """Make a key for ``tenant`` acting as ``principal`` (default: the key's own id).
+
+        Returns:
+            The key text (shown only now) and its record.
+        """
+        _check_name(tenant, "tenant")
+        key_id = new_id("ak")
+        principal = _check_name(principal, "principal") if principal else key_id
+        if description is not None and len(description) > 512:
+            msg = "description must be at most 512 characters"
+            raise InvalidRequest(msg)
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        now = time.time()
+        info = ApiKeyInfo(
+            id=key_id,
+            prefix=key[: len(KEY_PREFIX) + 6],
+            tenant=tenant,
+            principal=principal,
+            admin=admin,
+            description=description,
+            created_at=datetime.fromtimestamp(now, UTC),
+        )
+
+        def do() -> None:
+            try:
+                with self._writer.begin() as conn:
+                    conn.execute(
+                        insert(api_keys).values(
+                            id=key_id,
+                            key_hash=hash_key(key),
+                            prefix=info.prefix,
+                            tenant=tenant,
+                            principal=principal,
+                            admin=admin,
+                            description=description,
+                            created_at=now,
+                            revoked_at=None,
+                        )
+                    )
+            except IntegrityError as e:
+                msg = f"api key {key_id} already exists"
+                raise Conflict(msg) from e
+
+        await self._run(do)
+        return NewApiKey(key=key, info=info)
+
+    async def list(
+        self, *, tenant: str | None = None, include_revoked: bool = True
+    ) -> builtins.list[ApiKeyInfo]:
+        """Keys, oldest first (of one tenant when given)."""
+
+        def do() -> builtins.list[ApiKeyInfo]:
+            stmt = select(api_keys).order_by(api_keys.c.created_at, api_keys.c.id)
+            if tenant is not None:
+                stmt = stmt.where(api_keys.c.tenant == tenant)
+            if not include_revoked:
+                stmt = stmt.where(api_keys.c.revoked_at.is_(None))
+            with self.engine.connect() as conn:
+                return [_info(r) for r in conn.execute(stmt)]
+
+        return await self._run(do)
+
+    async def revoke(self, key_id: str) -> ApiKeyInfo:
+        """Make a key stop authenticating (revoking twice is fine)."""
+
+        def do() -> ApiKeyInfo:
+            with self._writer.begin() as conn:
+                conn.execute(
+                    update(api_keys)
+                    .where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+                    .values(revoked_at=time.time())
+                )
+                row = conn.execute(select(api_keys).where(api_keys.c.id == key_id)).first()
+            if row is None:
+                msg = f"no api key {key_id!r}"
+                raise NotFound(msg, id=key_id)
+            return _info(row)
+
+        info = await self._run(do)
+        self._cache.clear()
+        return info
+
+    async def authenticate(self, key: str) -> Actor | None:
+        """The actor a key acts as, or None when the key is unknown or revoked."""
+        if not key.startswith(KEY_PREFIX) or len(key) > 256:
+            return None
+        digest = hash_key(key)
+        cached = self._cache.get(digest)
+        now = time.monotonic()
+        if cached is not None and cached[1] > now:
+            return cached[0]
+
+        def do() -> Actor | None:
+            with self.engine.connect() as conn:
+                row = conn.execute(
+                    select(api_keys).where(
+                        api_keys.c.key_hash == digest, api_keys.c.revoked_at.is_(None)
+                    )
+                ).first()
+            return None if row is None else _info(row).actor
+
+        actor = await self._run(do)
+        if actor is not None and self.cache_ttl > 0:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[digest] = (actor, now + self.cache_ttl)
+        return actor
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        await anyio.to_thread.run_sync(self.engine.dispose)

@@ -1,0 +1,271 @@
+"""The HTTP API's request and event bodies, shared by the server and the client.
+
+Records (``SandboxInfo``, ``ExecResult``, …) travel as the models in :mod:`sandlot.models`;
+this module adds only what is particular to HTTP: request bodies, the exec event stream, the
+problem document, and header names. Bytes travel as base64 inside JSON. This module imports
+pydantic and :mod:`sandlot.models` only (the client imports it without any web framework).
+
+The exec event stream (``text/event-stream``)::
+
+    event: started   data: {"exec_id": "ex-…", "sandbox_id": "sb-…"}     (first, new execs only)
+    id: 0  event: output  data: {"stream": "stdout", "data": "<base64>"}
+    id: 1  event: output  data: …
+    event: result    data: <ExecResult>                                 (last, on success)
+    event: error     data: <problem>                                    (last, on failure)
+
+The ``id`` of an output event is the chunk's sequence number; ``GET …/execs/{exec_id}/events``
+with ``Last-Event-ID: N`` replays from chunk ``N + 1``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sandlot.models import CommandSpec, JsonValue, NetworkPolicy, SandboxSpec
+
+__all__ = [
+    "DIGEST_HEADER",
+    "IDEMPOTENCY_HEADER",
+    "LAST_EVENT_ID",
+    "PROBLEM_TYPE",
+    "CreateRequest",
+    "ExecRequest",
+    "ExecStarted",
+    "ExplainRequest",
+    "ExposePortRequest",
+    "FileUpload",
+    "ForkRequest",
+    "KeepAliveRequest",
+    "LogEvent",
+    "OutputEvent",
+    "ReconcileRequest",
+    "ReconcileResponse",
+    "RestoreRequest",
+    "StopExpiredResponse",
+    "VersionInfo",
+    "WriteFilesRequest",
+    "b64decode",
+    "b64encode",
+    "content_digest",
+    "parse_digest",
+]
+
+PROBLEM_TYPE = "application/problem+json"
+"""Media type of error bodies (RFC 9457)."""
+DIGEST_HEADER = "Content-Digest"
+"""RFC 9530 digest of a file body, ``sha-256=:<base64>:``; both sides check it."""
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""Accepted on mutating requests; the journal maps it to an intent (not enforced yet)."""
+LAST_EVENT_ID = "Last-Event-ID"
+"""The SSE resume header: the last output sequence number the client has."""
+
+_MAX_SECONDS = 10 * 365 * 86400.0
+"""Longest duration the API accepts (ten years): beyond it, datetime arithmetic overflows."""
+
+Seconds = Annotated[float, Field(gt=0, le=_MAX_SECONDS, allow_inf_nan=False)]
+
+
+def b64encode(data: bytes) -> str:
+    """Bytes as base64 text."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def b64decode(text: str) -> bytes:
+    """Base64 text as bytes (``ValueError`` when malformed)."""
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def content_digest(sha256: bytes) -> str:
+    """An RFC 9530 ``Content-Digest`` value from a raw SHA-256 digest."""
+    return f"sha-256=:{b64encode(sha256)}:"
+
+
+def parse_digest(value: str | None) -> bytes | None:
+    """The raw SHA-256 digest in a ``Content-Digest`` value (None when absent or not sha-256)."""
+    if not value:
+        return None
+    for part in value.split(","):
+        name, _, rest = part.strip().partition("=")
+        if name.strip().lower() == "sha-256" and rest.startswith(":") and rest.endswith(":"):
+            try:
+                raw = b64decode(rest[1:-1])
+            except ValueError:
+                return None
+            return raw if len(raw) == hashlib.sha256().digest_size else None
+    return None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class CreateRequest(_Body):
+    """``POST /v1/sandboxes``."""
+
+    spec: SandboxSpec = Field(default_factory=SandboxSpec)
+    """What to create."""
+    backend: str | None = Field(default=None, max_length=64)
+    """Backend name (default: the server's)."""
+    git_auth: str | None = Field(default=None, max_length=8192)
+    """``spec.git.auth``, which a spec never serializes: sent once, never stored."""
+
+
+class ExecRequest(_Body):
+    """``POST /v1/sandboxes/{id}/exec`` and ``…/execs``."""
+
+    command: str | CommandSpec | list[Annotated[str, Field(max_length=1 << 16)]]
+    """A string runs under ``sh -c``; a list or a CommandSpec is an exact argv."""
+    cwd: str | None = Field(default=None, max_length=4096)
+    """Working directory (default: the spec's workdir)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables."""
+    timeout: Seconds | None = None
+    """Seconds before the whole process tree is killed (exit code 124)."""
+    stdin: str | None = None
+    """Input, base64; for input streamed while the command runs, use ``stdin_stream``."""
+    stdin_stream: bool = False
+    """Input arrives by ``PUT …/execs/{exec_id}/stdin`` (streamed execs only)."""
+    check: bool = False
+    """Fail with ``exec_failed`` (carrying the result) on a non-zero exit."""
+    auto_resume: bool = True
+    """Resume a stopped sandbox first (else ``invalid_state``)."""
+
+
+class ExecStarted(_Body):
+    """The first event of a new exec stream."""
+
+    exec_id: str
+    """Handle to resume the stream with."""
+    sandbox_id: str
+    """The sandbox it runs in."""
+
+
+class OutputEvent(_Body):
+    """An ``output`` event."""
+
+    stream: Literal["stdout", "stderr"]
+    """Which stream."""
+    data: str
+    """The bytes, base64."""
+
+
+class LogEvent(_Body):
+    """A ``data`` event of the log stream; its SSE id is the byte offset after it."""
+
+    data: str
+    """The bytes, base64."""
+
+
+class FileUpload(_Body):
+    """One file of ``POST /v1/sandboxes/{id}/files``."""
+
+    path: str = Field(max_length=4096)
+    """Absolute path inside the sandbox."""
+    content: str
+    """The bytes, base64."""
+
+
+class WriteFilesRequest(_Body):
+    """``POST /v1/sandboxes/{id}/files``: several files at once."""
+
+    files: list[FileUpload] = Field(max_length=10_000)
+    """The files."""
+    mode: int | None = Field(default=None, ge=0, le=0o7777)
+    """Permission bits for every file (default: 0644 for new files)."""
+
+
+class KeepAliveRequest(_Body):
+    """``POST /v1/sandboxes/{id}/keep-alive``."""
+
+    seconds: Seconds
+    """New time to live, from now (never shortens it)."""
+
+
+class RestoreRequest(_Body):
+    """``POST /v1/sandboxes/{id}/restore``."""
+
+    snapshot_id: str = Field(max_length=64)
+    """The snapshot to go back to."""
+
+
+class ResetRequest(_Body):
+    """``POST /v1/sandboxes/{id}/reset``."""
+
+    snapshot_id: str | None = Field(default=None, max_length=64)
+    """The snapshot to go back to (default: the state the sandbox was created in)."""
+
+
+class NetworkRequest(_Body):
+    """``PUT /v1/sandboxes/{id}/network``."""
+
+    network: NetworkPolicy
+    """``"allow-all"``, ``"deny-all"`` or an allowlist."""
+
+
+class ForkRequest(_Body):
+    """``POST /v1/sandboxes/{id}/fork`` and ``/v1/snapshots/{id}/fork``."""
+
+    count: int = Field(default=1, ge=1, le=1000)
+    """How many sandboxes to make."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Labels laid over the source's."""
+
+
+class ExposePortRequest(_Body):
+    """``POST /v1/sandboxes/{id}/ports``."""
+
+    port: int = Field(ge=1, le=65535)
+    """Port inside the sandbox."""
+
+
+class ReconcileRequest(_Body):
+    """``POST /v1/reconcile`` (admin keys only)."""
+
+    ids: list[Annotated[str, Field(max_length=64)]] | None = None
+    """Only these sandboxes (default: all, and reap orphans)."""
+
+
+class ReconcileResponse(_Body):
+    """What reconcile changed."""
+
+    checked: int = 0
+    """Records looked at."""
+    updated: dict[str, str] = Field(default_factory=dict)
+    """Sandbox id -> what happened."""
+    reaped: list[str] = Field(default_factory=list)
+    """Orphans destroyed."""
+    errors: dict[str, str] = Field(default_factory=dict)
+    """What could not be checked, and why."""
+
+
+class StopExpiredResponse(_Body):
+    """``POST /v1/stop-expired`` (admin keys only)."""
+
+    stopped: list[str] = Field(default_factory=list)
+    """Ids of the sandboxes stopped."""
+
+
+class ExplainRequest(_Body):
+    """``POST /v1/sandboxes/{id}/explain``: a dry run of the policy."""
+
+    action: str = Field(min_length=1, max_length=64)
+    """The operation (``exec``, ``fs.write``, …)."""
+    args: dict[str, JsonValue] = Field(default_factory=dict)
+    """Its arguments (``command``, ``path``, …)."""
+
+
+class VersionInfo(_Body):
+    """``GET /version``."""
+
+    version: str
+    """sandlot's version."""
+    api: str = "v1"
+    """The HTTP API's version."""
+    backends: list[str] = Field(default_factory=list)
+    """Backends this server offers."""
+    default_backend: str = ""
+    """Where new sandboxes go unless asked."""

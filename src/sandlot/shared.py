@@ -1,0 +1,117 @@
+"""Pieces the in-process SDK and the HTTP client share, kept light (no database, no backends).
+
+``build_spec`` turns what a caller passed into a validated spec, ``split_output`` feeds raw
+and per-stream text callbacks from output chunks, and ``EventLoopThread`` runs async twins
+for the sync facades.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from typing import TYPE_CHECKING, TypeVar
+
+from sandlot.models import OutputChunk, SandboxSpec, parse_model
+
+if TYPE_CHECKING:
+    from sandlot.channel.base import OutputCallback
+
+__all__ = ["EventLoopThread", "build_spec", "split_output"]
+
+T = TypeVar("T")
+
+
+def build_spec(
+    spec: SandboxSpec | Mapping[str, object] | None, fields: Mapping[str, object]
+) -> SandboxSpec:
+    """A spec from a model or a dict, with keyword fields laid over it, validated."""
+    if spec is None:
+        base: dict[str, object] = {}
+    elif isinstance(spec, SandboxSpec):
+        base = spec.model_dump(exclude_unset=True)
+        if spec.git is not None and spec.git.auth:
+            base["git"] = {**spec.git.model_dump(exclude_unset=True), "auth": spec.git.auth}
+    else:
+        base = dict(spec)
+    return parse_model(SandboxSpec, {**base, **fields})
+
+
+def split_output(
+    on_output: OutputCallback | None,
+    on_stdout: Callable[[str], object] | None,
+    on_stderr: Callable[[str], object] | None,
+) -> OutputCallback | None:
+    """One chunk callback feeding the raw callback and per-stream text callbacks.
+
+    Text is decoded incrementally, so a character split across two chunks arrives whole.
+    """
+    if on_stdout is None and on_stderr is None:
+        return on_output
+    decoders = {
+        "stdout": codecs.getincrementaldecoder("utf-8")(errors="replace"),
+        "stderr": codecs.getincrementaldecoder("utf-8")(errors="replace"),
+    }
+    text_callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+
+    async def callback(chunk: OutputChunk) -> None:
+        if on_output is not None:
+            result = on_output(chunk)
+            if result is not None:
+                await result
+        text_cb = text_callbacks[chunk.stream]
+        if text_cb is not None:
+            text = decoders[chunk.stream].decode(chunk.data)
+            if text:
+                text_cb(text)
+
+    return callback
+
+
+class EventLoopThread:
+    """An asyncio loop on a daemon thread that the sync facades run their async twins on.
+
+    A daemon thread, so a forgotten ``close()`` never hangs interpreter exit.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="sandlot-sdk", daemon=True
+        )
+        self.thread.start()
+
+    def run(self, coro: Coroutine[object, object, T]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            msg = "the sync SDK was called from one of its own callbacks; use the async SDK there"
+            raise RuntimeError(msg)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        try:
+            while True:
+                try:
+                    yield self.run(_anext(agen))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self.run(_aclose(agen))
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+async def _anext(agen: AsyncIterator[T]) -> T:
+    return await agen.__anext__()
+
+
+async def _aclose(agen: AsyncIterator[object]) -> None:
+    close = getattr(agen, "aclose", None)
+    if close is not None:
+        await close()
