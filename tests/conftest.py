@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -60,3 +61,40 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
 
     if name.startswith("test") and inspect.iscoroutinefunction(obj):
         pytest.mark.anyio(obj)
+
+
+PG_ADMIN_URL = os.environ.get("SANDLOT_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def _pg_database() -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped afterwards; skips naming the server if none answers."""
+    try:
+        import psycopg
+    except ImportError:
+        pytest.skip("needs psycopg (pip install 'psycopg[binary]')")
+    name = f"sandlot_test_{secrets.token_hex(4)}"
+    try:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as e:
+        pytest.skip(f"needs PostgreSQL at {PG_ADMIN_URL}: {e}")
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database (skips, naming the server, when there is none)."""
+    yield from _pg_database()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.needs_postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """SQLite, then PostgreSQL: the databases every store-level suite runs on."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'sandlot-test.db'}"
+    else:
+        yield from _pg_database()
