@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     )
     from sandlot.sdk import AsyncSandbox, AsyncSandlot
     from sandlot.sync import Sandbox, Sandlot
+    from sandlot.terminal import AsyncTerminal, Terminal
 
 # Imported on first use (PEP 562), so that `import sandlot.x` for a small piece (the agent,
 # the network daemon) does not pay for pydantic, SQLAlchemy and the SDK.
@@ -52,6 +53,7 @@ _LAZY = {
     "Actor": "sandlot.models",
     "AsyncSandbox": "sandlot.sdk",
     "AsyncSandlot": "sandlot.sdk",
+    "AsyncTerminal": "sandlot.terminal",
     "BackendError": "sandlot.errors",
     "BackendUnavailable": "sandlot.errors",
     "CommandSpec": "sandlot.models",
@@ -80,6 +82,7 @@ _LAZY = {
     "SandboxTimeout": "sandlot.errors",
     "Sandlot": "sandlot.sync",
     "SnapshotInfo": "sandlot.models",
+    "Terminal": "sandlot.terminal",
 }
 
 
@@ -97,6 +100,7 @@ __all__ = [
     "Actor",
     "AsyncSandbox",
     "AsyncSandlot",
+    "AsyncTerminal",
     "BackendError",
     "BackendUnavailable",
     "CommandSpec",
@@ -125,5 +129,6 @@ __all__ = [
     "SandboxTimeout",
     "Sandlot",
     "SnapshotInfo",
+    "Terminal",
     "__version__",
 ]

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, TypeVar, final
 import anyio
 
 from sandlot.backends.base import Backend, NetworkControl, SnapshotRef
-from sandlot.channel.base import MAIN_LOG, Channel, OutputCallback, Stdin
+from sandlot.channel.base import MAIN_LOG, Channel, OutputCallback, PtySession, Stdin
 from sandlot.errors import (
     BackendError,
     BackendUnavailable,
@@ -69,6 +69,7 @@ from sandlot.models import (
     NetworkPolicy,
     OutputChunk,
     PortMapping,
+    ProcessInfo,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
@@ -315,6 +316,16 @@ class Manager:
             )
         try:
             yield outcome
+        except GeneratorExit:
+            # A reader stopped consuming a stream (logs, a file, process output): the
+            # operation itself went fine, it was only cut short.
+            outcome.detail["stopped_early"] = True
+            with anyio.CancelScope(shield=True):
+                if auth is not None:
+                    await self._complete(auth, outcome)
+                if outcome.lease is not None:
+                    await self._finish_intent(outcome, auth)
+            raise
         except BaseException as e:
             with anyio.CancelScope(shield=True):
                 if auth is not None:
@@ -1319,6 +1330,266 @@ class Manager:
             )
         return out
 
+    # -- processes and terminals ---------------------------------------------------------------
+
+    async def start_process(
+        self,
+        sandbox_id: str,
+        command: Command | Sequence[str],
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> ProcessInfo:
+        """Start a program in the background and return at once.
+
+        It belongs to the sandbox, not to the caller: it outlives this call and the caller's
+        connection, until it exits, is signalled, or the sandbox stops. Its output is kept
+        (the last 8 MiB) for :meth:`process_output`; a ``name`` held by a running process is
+        a ``Conflict``.
+        """
+        if cwd is not None and not cwd.startswith("/"):
+            msg = f"cwd must be an absolute path, got {cwd!r}"
+            raise InvalidRequest(msg)
+        if name is not None and not name:
+            msg = "a process name must not be empty"
+            raise InvalidRequest(msg)
+        argv, spec_cwd, spec_env = command_argv(command)
+        sb = await self._current(sandbox_id, actor)
+        workdir = cwd or spec_cwd or sb.spec.workdir
+        extra_env = spec_env | dict(env or {})
+        shown = command if isinstance(command, str) else argv
+        async with self._gated(
+            actor, "process.start", sb, command=shown, cwd=workdir, env=extra_env
+        ) as outcome:
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            channel = await self._channel(sb)
+            info = await self._channel_call(
+                sb,
+                channel.start_process(argv, cwd=workdir, env=self._env(sb, extra_env), name=name),
+            )
+            outcome.detail = {"process_id": info.id, "pid": info.pid}
+        await self._touch(sb)
+        return info
+
+    async def list_processes(
+        self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR
+    ) -> builtins.list[ProcessInfo]:
+        """Background processes (the main process among them), running and recently exited,
+        in start order."""
+        sb = await self._current(sandbox_id, actor)
+        async with self._gated(actor, "process.list", sb, process_id="", signal=0) as outcome:
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            channel = await self._channel(sb)
+            processes = await self._channel_call(sb, channel.list_processes())
+            outcome.detail = {"processes": len(processes)}
+            return processes
+
+    async def signal_process(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        signum: int = 15,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+    ) -> None:
+        """Send a signal (default SIGTERM) to a background process's whole tree.
+
+        ``InvalidState`` when it already exited; ``NotFound`` for an unknown id.
+        """
+        self._check_process_id(process_id)
+        if not 1 <= signum <= 64:
+            msg = f"signal must be a signal number 1..64, got {signum}"
+            raise InvalidRequest(msg)
+        sb = await self._current(sandbox_id, actor)
+        async with self._gated(actor, "process.signal", sb, process_id=process_id, signal=signum):
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            channel = await self._channel(sb)
+            await self._channel_call(sb, channel.signal_process(process_id, signum))
+        await self._touch(sb)
+
+    async def wait_process(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        timeout: float | None = None,
+    ) -> ProcessInfo:
+        """Wait until a background process exits and its output is complete; its final
+        record. ``SandboxTimeout`` when ``timeout`` seconds pass first (it keeps running)."""
+        self._check_process_id(process_id)
+        if timeout is not None and timeout <= 0:
+            msg = f"timeout must be positive, got {timeout}"
+            raise InvalidRequest(msg)
+        sb = await self._current(sandbox_id, actor)
+        async with self._gated(
+            actor, "process.wait", sb, process_id=process_id, signal=0
+        ) as outcome:
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            channel = await self._channel(sb)
+            info = await self._channel_call(sb, channel.wait_process(process_id, timeout))
+            outcome.exit_code = info.exit_code
+            return info
+
+    async def process_output(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        offset: int = 0,
+        follow: bool = False,
+    ) -> AsyncIterator[OutputChunk]:
+        """A background process's output from chunk ``offset`` on; with ``follow``, keep
+        yielding until it exits.
+
+        Chunks are numbered (``seq``) across stdout and stderr, so a reader resumes after the
+        last one it has. Output older than the sandbox keeps (the last 8 MiB) is gone: the
+        first chunk's ``seq`` is then greater than ``offset``.
+        """
+        self._check_process_id(process_id)
+        if offset < 0:
+            msg = f"offset must not be negative, got {offset}"
+            raise InvalidRequest(msg)
+        sb = await self._current(sandbox_id, actor)
+        async with self._gated(
+            actor, "process.output", sb, process_id=process_id, signal=0
+        ) as outcome:
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            channel = await self._channel(sb)
+            sent = 0
+            async for chunk in channel.process_output(process_id, offset=offset, follow=follow):
+                sent += 1
+                yield chunk
+            outcome.detail = {"chunks": sent}
+
+    async def write_stdin(
+        self,
+        sandbox_id: str,
+        process_id: str,
+        data: bytes,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        close: bool = False,
+    ) -> None:
+        """Feed a background process's standard input (then close it, with ``close``).
+
+        Returns once every byte is in the process's stdin pipe. ``InvalidState`` when its
+        stdin was closed or it exited.
+        """
+        self._check_process_id(process_id)
+        sb = await self._current(sandbox_id, actor)
+        async with self._gated(
+            actor, "process.stdin", sb, process_id=process_id, signal=0
+        ) as outcome:
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            channel = await self._channel(sb)
+            await self._channel_call(sb, channel.write_stdin(process_id, data, close=close))
+            # The receipt records what went in (its hash), as an exec's records its output.
+            outcome.output = data
+            outcome.detail = {"bytes": len(data), "closed": close}
+        await self._touch(sb)
+
+    async def open_pty(
+        self,
+        sandbox_id: str,
+        command: Command | Sequence[str] | None = None,
+        *,
+        actor: Actor = LOCAL_ACTOR,
+        rows: int = 24,
+        cols: int = 80,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> PtySession:
+        """Start a program (default ``sh``) on a new terminal inside the sandbox.
+
+        The terminal lives until its program exits or it is closed (``close`` hangs up: the
+        program gets SIGHUP). Keystrokes and output count as activity for idle timeouts. What
+        is typed into it is not decided by the policy (only opening it is): a policy that must
+        see every command denies ``pty.open``.
+        """
+        for what, n in (("rows", rows), ("cols", cols)):
+            if not 1 <= n <= 65535:
+                msg = f"{what} must be 1..65535, got {n}"
+                raise InvalidRequest(msg)
+        if cwd is not None and not cwd.startswith("/"):
+            msg = f"cwd must be an absolute path, got {cwd!r}"
+            raise InvalidRequest(msg)
+        argv, spec_cwd, spec_env = command_argv(["sh"] if command is None else command)
+        sb = await self._current(sandbox_id, actor)
+        workdir = cwd or spec_cwd or sb.spec.workdir
+        extra_env = spec_env | dict(env or {})
+        shown = command if isinstance(command, str) else argv
+        async with self._gated(
+            actor, "pty.open", sb, command=shown, cwd=workdir, env=extra_env
+        ) as outcome:
+            sb = await self._ready(sandbox_id, actor, True, sb)
+            channel = await self._channel(sb)
+            session = await self._channel_call(
+                sb,
+                channel.open_pty(
+                    argv, rows=rows, cols=cols, cwd=workdir, env=self._env(sb, extra_env)
+                ),
+            )
+            outcome.detail = {"pty_id": session.id, "rows": rows, "cols": cols}
+        await self._touch(sb)
+        return Manager._Terminal(self, sb.id, session)
+
+    @staticmethod
+    def _check_process_id(process_id: str) -> None:
+        if not process_id or len(process_id) > 256 or "\x00" in process_id:
+            msg = f"not a process id: {process_id!r}"
+            raise InvalidRequest(msg)
+
+    @final
+    class _Terminal:
+        """A channel's terminal whose use counts as activity, so a sandbox someone is typing
+        into (or watching output in) is not stopped as idle."""
+
+        def __init__(self, manager: Manager, sandbox_id: str, session: PtySession) -> None:
+            self._manager = manager
+            self._sandbox_id = sandbox_id
+            self._session = session
+            self._touched = time.monotonic()
+
+        @property
+        def id(self) -> str:
+            return self._session.id
+
+        async def _touch(self) -> None:
+            now = time.monotonic()
+            if now - self._touched < TOUCH_EVERY:
+                return
+            self._touched = now
+            # Bookkeeping only: a sandbox gone meanwhile shows in the terminal's own calls.
+            with contextlib.suppress(SandboxError):
+                await self._manager.store.touch(self._sandbox_id, utcnow())
+
+        async def write(self, data: bytes) -> None:
+            await self._session.write(data)
+            await self._touch()
+
+        async def resize(self, rows: int, cols: int) -> None:
+            for what, n in (("rows", rows), ("cols", cols)):
+                if not 1 <= n <= 65535:
+                    msg = f"{what} must be 1..65535, got {n}"
+                    raise InvalidRequest(msg)
+            await self._session.resize(rows, cols)
+
+        async def read(self) -> bytes:
+            data = await self._session.read()
+            if data:
+                await self._touch()
+            return data
+
+        async def wait(self) -> int:
+            return await self._session.wait()
+
+        async def close(self) -> None:
+            await self._session.close()
+
     # -- ports --------------------------------------------------------------------------------
 
     async def reset(
@@ -1414,6 +1685,7 @@ class Manager:
         """Every egress decision logged for the sandbox (and new ones become receipts)."""
         sb = await self.get(sandbox_id, actor=actor)
         control = self._network_control(sb)
+        _require_live(sb, "its egress log went with it; the decisions are in the receipts")
         await self._drain_egress(sb)
         assert sb.backend_ref is not None
         events, _ = await anyio.to_thread.run_sync(control.network_events, sb.backend_ref, 0)
@@ -1425,6 +1697,7 @@ class Manager:
         """The least-privilege allowlist covering what the sandbox connected to (record mode)."""
         sb = await self.get(sandbox_id, actor=actor)
         control = self._network_control(sb)
+        _require_live(sb, "its egress log went with it")
         assert sb.backend_ref is not None
         return await anyio.to_thread.run_sync(control.suggest_network, sb.backend_ref)
 
@@ -1789,6 +2062,12 @@ class Manager:
             with contextlib.suppress(SandboxError):
                 await impl.aclose()
         await self.store.aclose()
+
+
+def _require_live(sb: SandboxInfo, why: str) -> None:
+    if sb.status is S.DESTROYED or sb.backend_ref is None:
+        msg = f"sandbox {sb.id} is {sb.status}: {why}"
+        raise InvalidState(msg, id=sb.id)
 
 
 def _fresh(begun: Intent | _Replay | None) -> Intent | None:

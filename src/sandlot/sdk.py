@@ -38,7 +38,9 @@ from sandlot.models import (
     JsonValue,
     NetworkAllowlist,
     NetworkPolicy,
+    OutputChunk,
     PortMapping,
+    ProcessInfo,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
@@ -48,6 +50,7 @@ from sandlot.policy import Explanation, PolicyConfig, load_engine
 from sandlot.receipts import KeyStore, Receipt, ReceiptLog
 from sandlot.shared import build_spec, split_output
 from sandlot.store.sql import SqlStore
+from sandlot.terminal import AsyncTerminal
 
 if TYPE_CHECKING:
     from sandlot.backends.base import Backend
@@ -218,6 +221,75 @@ class AsyncSandbox:
             self.id, actor=self._actor, follow=follow, offset=offset
         ):
             yield chunk
+
+    async def start_process(
+        self,
+        command: Command | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> ProcessInfo:
+        """Start a program in the background and return at once (a string runs under
+        ``sh -c``; a list is an argv).
+
+        It outlives this call and this client, until it exits, is signalled or the sandbox
+        stops; read its output with :meth:`process_output`. A ``name`` held by a running
+        process is a ``Conflict``; the id or the name finds it later.
+        """
+        return await self._manager.start_process(
+            self.id, command, actor=self._actor, cwd=cwd, env=env, name=name
+        )
+
+    async def list_processes(self) -> builtins.list[ProcessInfo]:
+        """Background processes (the main process among them), running and recently exited."""
+        return await self._manager.list_processes(self.id, actor=self._actor)
+
+    async def signal_process(self, process_id: str, signum: int = 15) -> None:
+        """Send a signal (default SIGTERM) to a background process's whole tree."""
+        await self._manager.signal_process(self.id, process_id, signum, actor=self._actor)
+
+    async def wait_process(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
+        """Wait until a background process exits; its final record (``SandboxTimeout`` when
+        ``timeout`` seconds pass first)."""
+        return await self._manager.wait_process(
+            self.id, process_id, actor=self._actor, timeout=timeout
+        )
+
+    async def process_output(
+        self, process_id: str, *, offset: int = 0, follow: bool = False
+    ) -> AsyncIterator[OutputChunk]:
+        """A background process's output from chunk ``offset``; ``follow`` keeps yielding
+        until it exits. Resume after a chunk with ``offset=chunk.seq + 1``."""
+        async for chunk in self._manager.process_output(
+            self.id, process_id, actor=self._actor, offset=offset, follow=follow
+        ):
+            yield chunk
+
+    async def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
+        """Feed a background process's standard input (strings as UTF-8); ``close`` closes it
+        afterwards (the program reads end of file)."""
+        body = data.encode() if isinstance(data, str) else bytes(data)
+        await self._manager.write_stdin(self.id, process_id, body, actor=self._actor, close=close)
+
+    async def open_pty(
+        self,
+        command: Command | Sequence[str] | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> AsyncTerminal:
+        """Start a program (default ``sh``) on a new interactive terminal.
+
+        Write keystrokes, read output, resize; the terminal ends when the program exits.
+        ``async with`` closes it (the program gets SIGHUP).
+        """
+        session = await self._manager.open_pty(
+            self.id, command, actor=self._actor, rows=rows, cols=cols, cwd=cwd, env=env
+        )
+        return AsyncTerminal(session, self.id)
 
     async def stop(self) -> SandboxInfo:
         """Stop every process; the filesystem stays."""

@@ -28,7 +28,9 @@ from sandlot.models import (
     JsonValue,
     NetworkAllowlist,
     NetworkPolicy,
+    OutputChunk,
     PortMapping,
+    ProcessInfo,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
@@ -38,6 +40,7 @@ from sandlot.policy import Explanation
 from sandlot.receipts import ReceiptLog
 from sandlot.sdk import AsyncSandbox, AsyncSandlot
 from sandlot.shared import EventLoopThread
+from sandlot.terminal import Terminal
 
 if TYPE_CHECKING:
     from sandlot.backends.base import Backend
@@ -163,6 +166,58 @@ class Sandbox:
     def logs(self, *, follow: bool = False, offset: int = 0) -> Iterator[bytes]:
         """The main process's output; ``follow`` keeps tailing it."""
         return self._loop.iterate(self._async.logs(follow=follow, offset=offset))
+
+    def start_process(
+        self,
+        command: Command | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> ProcessInfo:
+        """Start a program in the background; see :meth:`AsyncSandbox.start_process`."""
+        return self._loop.run(self._async.start_process(command, cwd=cwd, env=env, name=name))
+
+    def list_processes(self) -> builtins.list[ProcessInfo]:
+        """Background processes, running and recently exited."""
+        return self._loop.run(self._async.list_processes())
+
+    def signal_process(self, process_id: str, signum: int = 15) -> None:
+        """Send a signal (default SIGTERM) to a background process's whole tree."""
+        self._loop.run(self._async.signal_process(process_id, signum))
+
+    def wait_process(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
+        """Wait until a background process exits; its final record."""
+        return self._loop.run(self._async.wait_process(process_id, timeout=timeout))
+
+    def process_output(
+        self, process_id: str, *, offset: int = 0, follow: bool = False
+    ) -> Iterator[OutputChunk]:
+        """A background process's output from chunk ``offset``; ``follow`` keeps yielding
+        until it exits."""
+        return self._loop.iterate(
+            self._async.process_output(process_id, offset=offset, follow=follow)
+        )
+
+    def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
+        """Feed a background process's standard input; ``close`` closes it afterwards."""
+        self._loop.run(self._async.write_stdin(process_id, data, close=close))
+
+    def open_pty(
+        self,
+        command: Command | Sequence[str] | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Terminal:
+        """Start a program (default ``sh``) on a new interactive terminal; see
+        :meth:`AsyncSandbox.open_pty`."""
+        handle = self._loop.run(
+            self._async.open_pty(command, rows=rows, cols=cols, cwd=cwd, env=env)
+        )
+        return Terminal(handle, self._loop)
 
     def stop(self) -> SandboxInfo:
         """Stop every process; the filesystem stays."""

@@ -104,6 +104,12 @@ def _calls(sid: str, snap: str) -> dict[str, tuple[tuple[object, ...], dict[str,
         "expose_port": ((sid, 8080), {}),
         "reset": ((sid,), {}),
         "update_network": ((sid, "deny-all"), {}),
+        "start_process": ((sid, ["sleep", "100"]), {}),
+        "list_processes": ((sid,), {}),
+        "signal_process": ((sid, "p1"), {}),
+        "wait_process": ((sid, "p1"), {"timeout": 1}),
+        "write_stdin": ((sid, "p1", b"x"), {}),
+        "open_pty": ((sid,), {}),
     }
 
 
@@ -120,7 +126,7 @@ READ_ONLY = {
     "flush_receipts",
     "aclose",
 }
-STREAMS = {"stream_file": "/workspace/f", "logs": None}
+STREAMS = {"stream_file": "/workspace/f", "logs": None, "process_output": "p1"}
 HOUSEKEEPING = {"reconcile", "recover", "stop_expired", "approve", "deny", "create"}
 
 

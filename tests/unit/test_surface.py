@@ -10,6 +10,7 @@ import pytest
 import sandlot
 from sandlot.sdk import AsyncSandbox, AsyncSandlot
 from sandlot.sync import Sandbox, Sandlot
+from sandlot.terminal import AsyncTerminal, Terminal
 
 
 def test_all_is_sorted_and_complete() -> None:
@@ -28,11 +29,13 @@ def _public(cls: type) -> dict[str, object]:
 
 def _sync_text(annotation: str) -> str:
     text = annotation.replace("AsyncIterator", "Iterator").replace("AsyncSandbox", "Sandbox")
+    text = re.sub(r"\bAsyncTerminal\b", "Terminal", text)
     return re.sub(r"\bAsyncSandlot\b", "Sandlot", text)
 
 
 @pytest.mark.parametrize(
-    ("async_cls", "sync_cls"), [(AsyncSandlot, Sandlot), (AsyncSandbox, Sandbox)]
+    ("async_cls", "sync_cls"),
+    [(AsyncSandlot, Sandlot), (AsyncSandbox, Sandbox), (AsyncTerminal, Terminal)],
 )
 def test_sync_mirrors_async(async_cls: type, sync_cls: type) -> None:
     async_members = _public(async_cls)

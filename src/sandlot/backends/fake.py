@@ -6,6 +6,12 @@ handful of built-ins otherwise: ``echo``, ``true``, ``false``, ``cat``, ``exit N
 ``sh -c`` of those), files live in a dict, and a test can simulate what real runtimes do behind
 our back: a stop, a vanished sandbox, an OOM, main-process output, a failing call.
 
+Background processes of the built-ins behave like the real thing in miniature: ``echo`` prints
+and exits, ``sleep N`` runs for N seconds, ``cat`` echoes its stdin until it is closed; any
+other program runs until signalled (a test adds its output with ``emit_process_output`` and ends
+it with ``finish_process``). Terminals echo what is typed, answer ``stty size`` and end on
+``exit [N]``.
+
 With ``state_file`` the sandboxes persist in a JSON file, so the CLI (one process per command)
 can be tried on the fake backend. This module must not import the store or the Manager.
 """
@@ -28,7 +34,7 @@ import anyio
 
 from sandlot.backends.base import BackendState, Capabilities, SnapshotRef
 from sandlot.channel.base import OutputCallback, Stdin
-from sandlot.errors import BackendError, InvalidRequest, NotFound, SandboxTimeout
+from sandlot.errors import BackendError, InvalidRequest, InvalidState, NotFound, SandboxTimeout
 from sandlot.models import (
     ExecResult,
     FileInfo,
@@ -85,6 +91,10 @@ class FakeSandbox:
     dirs: set[str] = field(default_factory=lambda: {"/", "/tmp"})
     processes: dict[str, ProcessInfo] = field(default_factory=dict)
     process_output: dict[str, list[OutputChunk]] = field(default_factory=dict)
+    process_deadlines: dict[str, float] = field(default_factory=dict)
+    """Background ``sleep N`` processes: when they exit (epoch seconds)."""
+    process_echo: set[str] = field(default_factory=set)
+    """Background ``cat`` processes: their stdin comes back as output."""
     boots: int = 0
     baseline: dict[str, bytes] = field(default_factory=dict)
     egress: list[dict[str, JsonValue]] = field(default_factory=list)
@@ -93,6 +103,29 @@ class FakeSandbox:
         """Append to a file (the main process log)."""
         self._parents(path)
         self.files[path] = self.files.get(path, b"") + data
+
+    def add_output(self, process_id: str, data: bytes, stream: str = "stdout") -> None:
+        """Append a chunk to a background process's output."""
+        chunks = self.process_output.setdefault(process_id, [])
+        chunks.append(
+            OutputChunk(
+                seq=len(chunks), stream="stderr" if stream == "stderr" else "stdout", data=data
+            )
+        )
+
+    def end_process(self, process_id: str, exit_code: int) -> None:
+        """Mark a background process exited."""
+        p = self.processes[process_id]
+        self.processes[process_id] = p.model_copy(update={"running": False, "exit_code": exit_code})
+        self.process_deadlines.pop(process_id, None)
+        self.process_echo.discard(process_id)
+
+    def settle_processes(self) -> None:
+        """End ``sleep`` processes whose time is up."""
+        now = time.time()
+        for pid, deadline in list(self.process_deadlines.items()):
+            if deadline <= now and self.processes[pid].running:
+                self.end_process(pid, 0)
 
     def _parents(self, path: str) -> None:
         parent = posixpath.dirname(path)
@@ -112,6 +145,12 @@ class FakeSandbox:
             "modes": self.modes,
             "dirs": sorted(self.dirs),
             "processes": {k: json.loads(v.model_dump_json()) for k, v in self.processes.items()},
+            "process_output": {
+                k: [[c.stream, base64.b64encode(c.data).decode()] for c in v]
+                for k, v in self.process_output.items()
+            },
+            "process_deadlines": self.process_deadlines,
+            "process_echo": sorted(self.process_echo),
             "boots": self.boots,
         }
 
@@ -137,6 +176,18 @@ class FakeSandbox:
         assert isinstance(dirs, list)
         sb.dirs = {str(d) for d in dirs}
         sb.processes = {str(k): ProcessInfo.model_validate(v) for k, v in procs.items()}
+        outputs = data.get("process_output", {})
+        assert isinstance(outputs, dict)
+        for pid, chunks in outputs.items():
+            sb.process_output[str(pid)] = []
+            for stream, b64 in chunks:
+                sb.add_output(str(pid), base64.b64decode(b64), stream)
+        deadlines = data.get("process_deadlines", {})
+        assert isinstance(deadlines, dict)
+        sb.process_deadlines = {str(k): float(v) for k, v in deadlines.items()}
+        echo = data.get("process_echo", [])
+        assert isinstance(echo, list)
+        sb.process_echo = {str(p) for p in echo}
         boots = data["boots"]
         sb.boots = boots if isinstance(boots, int) else 0
         return sb
@@ -235,6 +286,20 @@ class FakeBackend:
                 "time": time.time(),
             }
         )
+
+    def emit_process_output(
+        self, sandbox_id: str, process_id: str, text: str | bytes, stream: str = "stdout"
+    ) -> None:
+        """Add output to a background process (as if it printed it)."""
+        sb = self._get(_ref_for(sandbox_id))
+        sb.add_output(process_id, text.encode() if isinstance(text, str) else text, stream)
+        self._save()
+
+    def finish_process(self, sandbox_id: str, process_id: str, exit_code: int = 0) -> None:
+        """End a background process with ``exit_code`` (as if it exited by itself)."""
+        sb = self._get(_ref_for(sandbox_id))
+        sb.end_process(process_id, exit_code)
+        self._save()
 
     def adopt_orphan(self, sandbox_id: str, spec: SandboxSpec | None = None) -> str:
         """Make a sandbox the runtime has but no record knows about (for reconcile tests)."""
@@ -491,34 +556,68 @@ def _ref_for(sandbox_id: str | None) -> str:
 
 
 class _FakePty:
-    def __init__(self, pty_id: str, argv: list[str]) -> None:
+    """A terminal in miniature: echoes keystrokes (as a terminal in cooked mode does) and runs
+    a line-oriented toy shell: ``stty size`` answers the size, ``exit [N]`` ends it."""
+
+    def __init__(self, pty_id: str, argv: list[str], rows: int, cols: int) -> None:
         self._id = pty_id
         self.argv = argv
-        self.rows, self.cols = 24, 80
+        self.rows, self.cols = rows, cols
+        self.exit_code: int | None = None
         self._buffer = bytearray()
-        self._closed = False
+        self._line = bytearray()
+        self._changed = anyio.Event()
 
     @property
     def id(self) -> str:
         return self._id
 
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
     async def write(self, data: bytes) -> None:
-        # The fake terminal echoes input, as a terminal in cooked mode would.
-        self._buffer.extend(data)
+        if self.exit_code is not None:
+            msg = f"terminal {self._id} has exited"
+            raise BackendError(msg)
+        for byte in data:
+            if byte in (0x0D, 0x0A):
+                self._buffer.extend(b"\r\n")
+                self._run(self._line.decode(errors="replace").strip())
+                self._line.clear()
+                if self.exit_code is not None:
+                    break
+            else:
+                self._buffer.append(byte)
+                self._line.append(byte)
+        self._notify()
+
+    def _run(self, line: str) -> None:
+        words = line.split()
+        if words == ["stty", "size"]:
+            self._buffer.extend(f"{self.rows} {self.cols}\r\n".encode())
+        elif words[:1] == ["exit"]:
+            self.exit_code = int(words[1]) if len(words) > 1 and words[1].isdigit() else 0
 
     async def resize(self, rows: int, cols: int) -> None:
         self.rows, self.cols = rows, cols
 
     async def read(self) -> bytes:
+        while not self._buffer and self.exit_code is None:
+            await self._changed.wait()
         data = bytes(self._buffer)
         self._buffer.clear()
         return data
 
     async def wait(self) -> int:
-        return 0
+        while self.exit_code is None:
+            await self._changed.wait()
+        return self.exit_code
 
     async def close(self) -> None:
-        self._closed = True
+        if self.exit_code is None:
+            self.exit_code = 129  # hung up: 128 + SIGHUP
+        self._notify()
 
 
 @final
@@ -591,31 +690,65 @@ class FakeChannel:
         )
         sb.processes[pid] = info
         sb.process_output[pid] = []
+        self._plan(sb, pid, list(argv))
         if log_path is not None:
-            sb.append_log(log_path, b"")
+            sb.append_log(log_path, b"".join(c.data for c in sb.process_output[pid]))
         self._backend._save()
-        return info
+        return sb.processes[pid]
+
+    @staticmethod
+    def _plan(sb: FakeSandbox, pid: str, argv: list[str]) -> None:
+        """What a background process of the built-ins does (others run until signalled)."""
+        if len(argv) >= 3 and posixpath.basename(argv[0]) in ("sh", "bash") and argv[1] == "-c":
+            try:
+                argv = shlex.split(argv[2])
+            except ValueError:
+                argv = []
+        if not argv:
+            return
+        prog, args = posixpath.basename(argv[0]), argv[1:]
+        if prog == "echo":
+            sb.add_output(pid, (" ".join(args) + "\n").encode())
+            sb.end_process(pid, 0)
+        elif prog in ("true", "false", "exit"):
+            code = {"true": 0, "false": 1}.get(prog)
+            if code is None:
+                code = int(args[0]) if args and args[0].isdigit() else 0
+            sb.end_process(pid, code)
+        elif prog == "sleep":
+            try:
+                seconds = float(args[0]) if args else 0.0
+            except ValueError:
+                seconds = 0.0
+            sb.process_deadlines[pid] = time.time() + seconds
+        elif prog == "cat" and not args:
+            sb.process_echo.add(pid)
 
     async def list_processes(self) -> list[ProcessInfo]:
         """Background processes."""
-        return list(self._backend._running(self._ref).processes.values())
+        sb = self._backend._running(self._ref)
+        sb.settle_processes()
+        return list(sb.processes.values())
 
     async def signal_process(self, process_id: str, signum: int) -> None:
-        """'Kill' a background process."""
+        """'Kill' a background process (``InvalidState`` once it exited)."""
         self._backend._record(self._ref, "signal_process", id=process_id, signum=signum)
         sb = self._backend._running(self._ref)
-        p = self._process(sb, process_id)
-        sb.processes[process_id] = p.model_copy(
-            update={"running": False, "exit_code": 128 + signum}
-        )
+        if not self._process(sb, process_id).running:
+            msg = f"process {process_id} has exited"
+            raise InvalidState(msg, process=process_id)
+        sb.end_process(process_id, 128 + signum)
         self._backend._save()
 
     async def wait_process(self, process_id: str, timeout: float | None = None) -> ProcessInfo:
-        """Wait until the process was signalled (polls)."""
+        """Wait until the process exits (polls)."""
         sb = self._backend._running(self._ref)
         with anyio.move_on_after(timeout):
-            while self._process(sb, process_id).running:  # noqa: ASYNC110 - state lives in a plain dict tests mutate
+            # Polls: the state lives in plain dicts that tests (and, with a state file, other
+            # processes) change.
+            while self._process(sb, process_id).running:
                 await anyio.sleep(0.01)
+                sb = self._backend._running(self._ref)
             return self._process(sb, process_id)
         msg = f"process {process_id} still running after {timeout}s"
         raise SandboxTimeout(msg)
@@ -623,16 +756,31 @@ class FakeChannel:
     async def process_output(
         self, process_id: str, *, offset: int = 0, follow: bool = False
     ) -> AsyncIterator[OutputChunk]:
-        """Buffered output (tests add to it through ``FakeSandbox.process_output``)."""
-        sb = self._backend._running(self._ref)
-        self._process(sb, process_id)
-        for chunk in sb.process_output.get(process_id, [])[offset:]:
-            yield chunk
+        """Buffered output from chunk ``offset``; with ``follow``, polls until it exits."""
+        while True:
+            sb = self._backend._running(self._ref)
+            running = self._process(sb, process_id).running
+            chunks = sb.process_output.get(process_id, [])
+            for chunk in chunks[offset:]:
+                yield chunk
+            offset = max(offset, len(chunks))
+            if not follow or not running:
+                return
+            await anyio.sleep(0.02)
 
     async def write_stdin(self, process_id: str, data: bytes, *, close: bool = False) -> None:
-        """Record the input."""
+        """Record the input (a ``cat`` echoes it; closing its stdin ends it)."""
         self._backend._record(self._ref, "write_stdin", id=process_id, data=data, close=close)
-        self._process(self._backend._running(self._ref), process_id)
+        sb = self._backend._running(self._ref)
+        if not self._process(sb, process_id).running:
+            msg = f"process {process_id} has exited"
+            raise InvalidState(msg, process=process_id)
+        if process_id in sb.process_echo:
+            if data:
+                sb.add_output(process_id, data)
+            if close:
+                sb.end_process(process_id, 0)
+        self._backend._save()
 
     async def open_pty(
         self,
@@ -646,9 +794,8 @@ class FakeChannel:
         """An echoing fake terminal."""
         self._backend._record(self._ref, "open_pty", argv=list(argv))
         self._backend._running(self._ref)
-        pty = _FakePty(f"pty{self._next_pid}", list(argv))
-        await pty.resize(rows, cols)
-        return pty
+        self._next_pid += 1
+        return _FakePty(f"pty{self._next_pid}", list(argv), rows, cols)
 
     async def read_file(self, path: str) -> AsyncIterator[bytes]:
         """A file's bytes."""
@@ -748,6 +895,7 @@ class FakeChannel:
         self._closed = True
 
     def _process(self, sb: FakeSandbox, process_id: str) -> ProcessInfo:
+        sb.settle_processes()
         p = sb.processes.get(process_id)
         if p is None:
             msg = f"no process {process_id!r}"

@@ -8,6 +8,10 @@ The surface is the in-process SDK's (:class:`sandlot.sdk.AsyncSandlot`), method 
 and signature for signature (a test checks), and errors come back as the same classes: the
 server sends each error's stable ``code`` and this module raises the class it names.
 
+Terminals (``open_pty``) are a WebSocket (the ``websockets`` package), with the protocol in
+:mod:`sandlot.server.wire`; a background process's output is an event stream that resumes
+after its last chunk like a command's.
+
 Commands stream their output as server-sent events. When the connection breaks mid-command,
 the client reconnects and asks for the output after the last chunk it has (``Last-Event-ID``),
 so nothing is lost or repeated; when the server no longer knows the command (it restarted),
@@ -21,17 +25,22 @@ surface (backends, the store).
 from __future__ import annotations
 
 import builtins
+import collections
 import hashlib
 import inspect
+import json as jsonlib
 import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, final
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import anyio
 import httpx
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
 from sandlot.client.sse import Event, events
 from sandlot.errors import (
@@ -39,6 +48,7 @@ from sandlot.errors import (
     BackendUnavailable,
     ExecFailed,
     InvalidRequest,
+    InvalidState,
     NotFound,
     SandboxError,
     SandboxTimeout,
@@ -56,6 +66,7 @@ from sandlot.models import (
     NetworkPolicy,
     OutputChunk,
     PortMapping,
+    ProcessInfo,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
@@ -67,12 +78,14 @@ from sandlot.server.wire import (
     DIGEST_HEADER,
     IDEMPOTENCY_HEADER,
     LAST_EVENT_ID,
+    PtyResize,
     b64decode,
     b64encode,
     content_digest,
     parse_digest,
 )
 from sandlot.shared import build_spec, split_output
+from sandlot.terminal import AsyncTerminal
 
 if TYPE_CHECKING:
     from sandlot.channel.base import OutputCallback, Stdin
@@ -352,6 +365,149 @@ class AsyncRemoteSandbox:
                     raise BackendUnavailable(msg) from e
                 await anyio.sleep(0.2)
 
+    async def start_process(
+        self,
+        command: Command | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> ProcessInfo:
+        """Start a program in the background and return at once (a string runs under
+        ``sh -c``; a list is an argv).
+
+        It outlives this call and this client, until it exits, is signalled or the sandbox
+        stops; read its output with :meth:`process_output`. A ``name`` held by a running
+        process is a ``Conflict``; the id or the name finds it later.
+        """
+        response = await self._client._request(
+            "POST",
+            f"{self._path}/processes",
+            json={
+                "command": _command_json(command),
+                "cwd": cwd,
+                "env": dict(env or {}),
+                "name": name,
+            },
+        )
+        return ProcessInfo.model_validate(response.json())
+
+    async def list_processes(self) -> builtins.list[ProcessInfo]:
+        """Background processes (the main process among them), running and recently exited."""
+        response = await self._client._request("GET", f"{self._path}/processes")
+        return [ProcessInfo.model_validate(p) for p in response.json()]
+
+    async def signal_process(self, process_id: str, signum: int = 15) -> None:
+        """Send a signal (default SIGTERM) to a background process's whole tree."""
+        await self._client._request(
+            "POST", f"{self._process_path(process_id)}/signal", json={"signal": signum}
+        )
+
+    async def wait_process(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
+        """Wait until a background process exits; its final record (``SandboxTimeout`` when
+        ``timeout`` seconds pass first)."""
+        response = await self._client._request(
+            "POST",
+            f"{self._process_path(process_id)}/wait",
+            json={"timeout": timeout},
+            # The server answers when the process exits: give it the wait, plus the usual.
+            read_timeout=None if timeout is None else timeout + self._client.timeout,
+        )
+        return ProcessInfo.model_validate(response.json())
+
+    async def process_output(
+        self, process_id: str, *, offset: int = 0, follow: bool = False
+    ) -> AsyncIterator[OutputChunk]:
+        """A background process's output from chunk ``offset``; ``follow`` keeps yielding
+        until it exits (across reconnects, resuming after the last chunk received)."""
+        deadline: float | None = None
+        received = False
+        while True:
+            headers = {"Accept": "text/event-stream"}
+            if received:
+                headers[LAST_EVENT_ID] = str(offset - 1)
+            try:
+                async with self._client._stream(
+                    "GET",
+                    f"{self._process_path(process_id)}/output",
+                    params={"follow": "true" if follow else "false", "offset": offset},
+                    headers=headers,
+                    read_timeout=None if follow else self._client.timeout,
+                ) as response:
+                    deadline = None
+                    async for ev in events(response):
+                        if ev.event == "output":
+                            seq = int(ev.id or offset)
+                            if seq < offset:
+                                continue  # already delivered before a reconnect
+                            out = ev.json()
+                            stream = "stderr" if out.get("stream") == "stderr" else "stdout"
+                            offset, received = seq + 1, True
+                            yield OutputChunk(
+                                seq=seq, stream=stream, data=b64decode(str(out["data"]))
+                            )
+                        elif ev.event == "error":
+                            raise _event_error(ev)
+                        elif ev.event == "end":
+                            return
+                    msg = "the output stream ended without its end event"
+                    raise _StreamEnded(msg)
+            except (httpx.TransportError, _Unreachable, _StreamEnded) as e:
+                now = time.monotonic()
+                deadline = deadline or now + self._client.reconnect_timeout
+                if now > deadline:
+                    msg = f"lost the output stream of process {process_id} in {self.id} and could not reconnect: {e}"
+                    raise BackendUnavailable(msg) from e
+                await anyio.sleep(0.2)
+
+    async def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
+        """Feed a background process's standard input (strings as UTF-8); ``close`` closes it
+        afterwards (the program reads end of file)."""
+        await self._client._request(
+            "PUT",
+            f"{self._process_path(process_id)}/stdin",
+            params={"close": "true" if close else "false"},
+            content=data.encode() if isinstance(data, str) else bytes(data),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    async def open_pty(
+        self,
+        command: Command | Sequence[str] | None = None,
+        *,
+        rows: int = 24,
+        cols: int = 80,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> AsyncTerminal:
+        """Start a program (default ``sh``) on a new interactive terminal (over a WebSocket).
+
+        Write keystrokes, read output, resize; the terminal ends when the program exits.
+        ``async with`` closes it (the program gets SIGHUP).
+        """
+        query: list[tuple[str, str]] = [("rows", str(rows)), ("cols", str(cols))]
+        argv: list[str] = []
+        if isinstance(command, str):
+            query.append(("command", command))
+        elif isinstance(command, CommandSpec):
+            argv = command.argv()
+            cwd = cwd or command.cwd
+            env = {**command.env, **dict(env or {})}
+        elif command is not None:
+            argv = [str(a) for a in command]
+            if not argv:
+                msg = "command: an empty argv"
+                raise InvalidRequest(msg)
+        query += [("argv", a) for a in argv]
+        if cwd is not None:
+            query.append(("cwd", cwd))
+        query += [("env", f"{k}={v}") for k, v in (env or {}).items()]
+        session = await self._client._pty(f"{self._path}/pty?{urlencode(query)}")
+        return AsyncTerminal(session, self.id)
+
+    def _process_path(self, process_id: str) -> str:
+        return f"{self._path}/processes/{_quote(process_id)}"
+
     async def stop(self) -> SandboxInfo:
         """Stop every process; the filesystem stays."""
         self.info = await self._client._info("POST", f"{self._path}/stop")
@@ -521,6 +677,7 @@ class AsyncClient:
         headers = {"User-Agent": "sandlot-client"}
         if key:
             headers["Authorization"] = f"Bearer {key}"
+        self._headers = dict(headers)
         self._http = httpx.AsyncClient(
             base_url=self.url,
             headers=headers,
@@ -557,10 +714,22 @@ class AsyncClient:
         params: Mapping[str, str | int | builtins.list[str]] | None = None,
         content: bytes | None = None,
         headers: Mapping[str, str] | None = None,
+        read_timeout: float | None = -1.0,
     ) -> httpx.Response:
+        timeout = (
+            httpx.USE_CLIENT_DEFAULT
+            if read_timeout == -1.0
+            else httpx.Timeout(read_timeout, connect=min(self.timeout, 10.0))
+        )
         try:
             response = await self._http.request(
-                method, path, json=json, params=params, content=content, headers=headers
+                method,
+                path,
+                json=json,
+                params=params,
+                content=content,
+                headers=headers,
+                timeout=timeout,
             )
         except httpx.ConnectError as e:
             msg = f"cannot reach the sandlot server at {self.url}: {e}"
@@ -592,6 +761,43 @@ class AsyncClient:
             method, path, params=params, json=json, headers=headers, timeout=timeout
         )
         return _Stream(self, request)
+
+    async def _pty(self, path: str) -> _WebSocketPty:
+        """Open a terminal WebSocket; a refusal raises the error the server's problem names."""
+        base = self.url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+        try:
+            ws = await ws_connect(
+                base + path,
+                additional_headers=self._headers,
+                user_agent_header=None,
+                open_timeout=self.timeout,
+                max_size=1 << 24,
+                compression=None,
+            )
+        except InvalidStatus as e:
+            answer = e.response
+            raise _error(
+                httpx.Response(
+                    answer.status_code,
+                    content=bytes(answer.body or b""),
+                    headers=dict(answer.headers.raw_items()),
+                )
+            ) from e
+        except (OSError, TimeoutError, WebSocketException) as e:
+            msg = f"cannot open a terminal on the sandlot server at {self.url}: {e}"
+            raise BackendUnavailable(msg) from e
+        try:
+            first = await ws.recv()
+            opened = jsonlib.loads(first) if isinstance(first, str) else {}
+        except (ConnectionClosed, ValueError) as e:
+            await ws.close()
+            msg = f"the server closed the terminal before it opened: {e}"
+            raise BackendUnavailable(msg) from e
+        if opened.get("type") != "opened":
+            await ws.close()
+            msg = f"the server opened the terminal with {str(first)[:200]!r} instead of its id"
+            raise BackendError(msg)
+        return _WebSocketPty(ws, str(opened.get("id", "")))
 
     async def _info(
         self,
@@ -855,6 +1061,98 @@ class AsyncClient:
         """Stop sandboxes past their TTL or idle timeout; their ids (admin keys only)."""
         response = await self._request("POST", "/v1/stop-expired")
         return [str(i) for i in response.json()["stopped"]]
+
+
+@final
+class _WebSocketPty:
+    """A terminal on the server, over its WebSocket (a :class:`~sandlot.channel.base.PtySession`).
+
+    One task at a time reads the socket (a lock): ``wait`` keeps what it reads past for
+    ``read``, so output is never lost whichever is called first.
+    """
+
+    def __init__(self, ws: ClientConnection, pty_id: str) -> None:
+        self._ws = ws
+        self._id = pty_id
+        self._lock = anyio.Lock()
+        self._pending: collections.deque[bytes] = collections.deque()
+        self._exit: int | None = None
+        self._error: SandboxError | None = None
+        self._ended = False
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._ws.send(bytes(data))
+        except ConnectionClosed as e:
+            raise self._gone(e) from e
+
+    async def resize(self, rows: int, cols: int) -> None:
+        try:
+            await self._ws.send(PtyResize(rows=rows, cols=cols).model_dump_json())
+        except ConnectionClosed as e:
+            raise self._gone(e) from e
+
+    async def read(self) -> bytes:
+        async with self._lock:
+            while not self._pending:
+                if self._ended:
+                    self._check_exit()
+                    return b""
+                await self._receive()
+            return self._pending.popleft()
+
+    async def wait(self) -> int:
+        async with self._lock:
+            while not self._ended:
+                await self._receive()
+        self._check_exit()
+        assert self._exit is not None
+        return self._exit
+
+    async def close(self) -> None:
+        await self._ws.close()
+
+    async def _receive(self) -> None:
+        try:
+            message = await self._ws.recv()
+        except ConnectionClosed:
+            self._ended = True
+            return
+        if isinstance(message, bytes):
+            self._pending.append(message)
+            return
+        try:
+            control = jsonlib.loads(message)
+        except ValueError:
+            return
+        if control.get("type") == "exit":
+            self._exit = int(control.get("exit_code", -1))
+        elif control.get("type") == "error" and isinstance(control.get("problem"), dict):
+            problem = control["problem"]
+            details = problem.get("details")
+            self._error = _problem_error(
+                str(problem.get("code", "")),
+                str(problem.get("detail") or problem.get("code")),
+                details if isinstance(details, dict) else {},
+            )
+
+    def _check_exit(self) -> None:
+        if self._exit is None:
+            if self._error is not None:
+                raise self._error
+            msg = f"terminal {self._id}: the connection closed before its program exited"
+            raise BackendUnavailable(msg, outcome="unknown")
+
+    def _gone(self, e: ConnectionClosed) -> SandboxError:
+        if self._exit is not None:
+            return InvalidState(f"terminal {self._id}: its program exited ({self._exit})")
+        return self._error or BackendUnavailable(
+            f"terminal {self._id}: the connection closed ({e})"
+        )
 
 
 class _Unreachable(BackendUnavailable):

@@ -9,7 +9,9 @@ the server's ``/mcp`` endpoint calls its own API with the caller's key (tenancy,
 policy apply exactly as for any client). Results are structured (pydantic models); a sandlot
 error, a policy denial above all, comes back as a tool error the model can read, with its
 ``code`` (and ``reason_code`` and ``receipt_id`` for denials). ``exec_command`` streams output
-as progress notifications while the command runs.
+as progress notifications while the command runs. ``run_agent`` starts a background process
+(the sandbox keeps it and its output, not this server) and ``get_logs`` pages through that
+output by the process's handle.
 
 This module must not import backends, the store or the web server.
 """
@@ -19,42 +21,42 @@ from __future__ import annotations
 import base64
 import binascii
 import builtins
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import posixpath
-import re
-import shlex
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
+import anyio
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandlot._version import __version__
-from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
+from sandlot.errors import InvalidRequest, InvalidState, PolicyDenied, SandboxError
 from sandlot.models import (
     Command,
     ExecResult,
     FileInfo,
     OutputChunk,
     PortMapping,
+    ProcessInfo,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
     SnapshotInfo,
-    new_id,
 )
 
-__all__ = ["AGENT_LOG_DIR", "ApiProvider", "SandboxHandle", "SandlotApi", "build_server"]
+__all__ = ["ApiProvider", "SandboxHandle", "SandlotApi", "build_server"]
 
-AGENT_LOG_DIR = "/var/log/sandlot"
-"""Where ``run_agent`` programs write their output inside the sandbox."""
+MAX_LOG_WAIT = 60.0
+"""The longest ``get_logs`` waits for new output of a running process (seconds)."""
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -102,6 +104,31 @@ class SandboxHandle(Protocol):
 
     def logs(self, *, follow: bool = False, offset: int = 0) -> AsyncIterator[bytes]:
         """The main log."""
+        ...
+
+    async def start_process(
+        self,
+        command: Command | Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> ProcessInfo:
+        """Start a background process."""
+        ...
+
+    async def list_processes(self) -> builtins.list[ProcessInfo]:
+        """Background processes."""
+        ...
+
+    def process_output(
+        self, process_id: str, *, offset: int = 0, follow: bool = False
+    ) -> AsyncIterator[OutputChunk]:
+        """A background process's output chunks."""
+        ...
+
+    async def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
+        """Feed a background process's stdin."""
         ...
 
     async def stop(self) -> SandboxInfo:
@@ -278,11 +305,15 @@ class LogChunk(_Result):
     process_id: str | None
     """The ``run_agent`` process, or None for the main process."""
     offset: int
-    """Where this range starts."""
+    """Where this range starts (bytes into the output)."""
     next_offset: int
     """Pass this as ``offset`` to read on."""
     data: str
-    """The output (UTF-8, invalid bytes replaced)."""
+    """The output (UTF-8, invalid bytes replaced; stdout and stderr interleaved as written)."""
+    running: bool | None = None
+    """For a process: whether it still runs (more output may come)."""
+    exit_code: int | None = None
+    """For a process that exited: its exit code."""
 
 
 class PortList(_Result):
@@ -329,8 +360,10 @@ class ProcessHandle(_Result):
     """Handle for ``get_logs``."""
     pid: int
     """Its process id inside the sandbox."""
-    log_path: str
-    """Where its output goes inside the sandbox."""
+    command: list[str]
+    """What runs."""
+    name: str | None = None
+    """The name it was given, if any (it finds the process like the handle does)."""
 
 
 class VersionView(_Result):
@@ -625,28 +658,37 @@ def build_server(
         process_id: str | None = None,
         offset: int = 0,
         max_bytes: int = 65536,
+        wait: float = 0,
     ) -> LogChunk:
         """Read output of the sandbox's main process, or of a run_agent program
-        (`process_id`), from byte `offset`; call again with `next_offset` to follow it."""
-        if offset < 0 or max_bytes <= 0:
-            msg = "offset must be >= 0 and max_bytes > 0"
+        (`process_id`), from byte `offset`; call again with `next_offset` to follow it.
+
+        For a program, `running` says whether more may come and `wait` (seconds, at most 60)
+        waits that long for new output when there is none yet.
+        """
+        if offset < 0 or max_bytes <= 0 or wait < 0:
+            msg = "offset and wait must be >= 0 and max_bytes > 0"
             raise InvalidRequest(msg)
         handle = await (await provider(ctx)).get(sandbox_id)
         if process_id is None:
             data, _ = await _read_range(handle.logs(offset=offset), 0, max_bytes)
-        else:
-            if not _PROCESS_ID.fullmatch(process_id):
-                msg = f"no process {process_id!r} (process ids come from run_agent)"
-                raise InvalidRequest(msg)
-            data, _ = await _read_range(
-                handle.stream_file(_agent_log(process_id)), offset, max_bytes
+            return LogChunk(
+                sandbox_id=sandbox_id,
+                process_id=None,
+                offset=offset,
+                next_offset=offset + len(data),
+                data=data.decode(errors="replace"),
             )
+        data = await _process_range(handle, process_id, offset, max_bytes, min(wait, MAX_LOG_WAIT))
+        state = next((p for p in await handle.list_processes() if p.id == process_id), None)
         return LogChunk(
             sandbox_id=sandbox_id,
             process_id=process_id,
             offset=offset,
             next_offset=offset + len(data),
             data=data.decode(errors="replace"),
+            running=None if state is None else state.running,
+            exit_code=None if state is None else state.exit_code,
         )
 
     async def expose_port(ctx: Context, sandbox_id: str, port: int) -> PortMapping:
@@ -705,28 +747,30 @@ def build_server(
     async def run_agent(
         ctx: Context,
         sandbox_id: str,
-        command: str,
+        command: str | list[str],
+        task: str | None = None,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        name: str | None = None,
     ) -> ProcessHandle:
         """Start a long-running program (an agent, a server) in the background and return at
-        once; read its output with get_logs(process_id=...)."""
+        once with its process handle; follow its output with get_logs(process_id=...).
+
+        A string runs under `sh -c`; a list is an exact argv. `task` is written to the
+        program's standard input, which is then closed (so a program reading its input never
+        waits for more). It keeps running after this call, until it exits.
+        """
         handle = await (await provider(ctx)).get(sandbox_id)
-        process_id = new_id("ag")
-        log_path = _agent_log(process_id)
-        # The program gets its own session and no terminal, and its output goes to a file,
-        # so it outlives this command and get_logs can page through what it wrote.
-        script = (
-            f"mkdir -p {AGENT_LOG_DIR} && "
-            f"nohup sh -c {shlex.quote(command)} > {log_path} 2>&1 < /dev/null & echo $!"
-        )
-        result = await handle.exec(["sh", "-c", script], cwd=cwd, env=env)
-        pid = result.stdout.strip().splitlines()[-1:] if result.stdout else []
-        if result.exit_code != 0 or not pid or not pid[0].isdigit():
-            msg = f"could not start the program (exit {result.exit_code}): {result.stderr.strip()[:500]}"
-            raise SandboxError(msg)
+        info = await handle.start_process(command, cwd=cwd, env=env, name=name)
+        # A program that already finished (it ignored its input) has nothing left to feed.
+        with contextlib.suppress(InvalidState):
+            await handle.write_stdin(info.id, task or "", close=True)
         return ProcessHandle(
-            sandbox_id=sandbox_id, process_id=process_id, pid=int(pid[0]), log_path=log_path
+            sandbox_id=sandbox_id,
+            process_id=info.id,
+            pid=info.pid,
+            command=list(info.command),
+            name=info.name,
         )
 
     async def version(ctx: Context) -> VersionView:
@@ -761,11 +805,46 @@ def build_server(
 
 # -- helpers ----------------------------------------------------------------------------------
 
-_PROCESS_ID = re.compile(r"ag-[0-9a-f]{12}")
+
+async def _process_range(
+    handle: SandboxHandle, process_id: str, offset: int, length: int, wait: float
+) -> bytes:
+    """Bytes ``offset .. offset + length`` of a process's output (what the sandbox still
+    keeps of it), waiting up to ``wait`` seconds for the first new bytes when there are none."""
+    out = bytearray()
+    position = 0
+    chunks = 0
+    stream = handle.process_output(process_id)
+    try:
+        async for chunk in stream:
+            chunks = chunk.seq + 1
+            start = max(offset - position, 0)
+            position += len(chunk.data)
+            out += chunk.data[start:]
+            if len(out) >= length:
+                break
+    finally:
+        await _aclose(stream)
+    if out or wait <= 0:
+        return bytes(out[:length])
+    following = handle.process_output(process_id, offset=chunks, follow=True)
+    try:
+        with anyio.move_on_after(wait):
+            async for chunk in following:
+                start = max(offset - position, 0)
+                position += len(chunk.data)
+                out += chunk.data[start:]
+                if out:
+                    break
+    finally:
+        await _aclose(following)
+    return bytes(out[:length])
 
 
-def _agent_log(process_id: str) -> str:
-    return f"{AGENT_LOG_DIR}/{process_id}.log"
+async def _aclose(stream: AsyncIterator[object]) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
 
 
 async def _read_range(chunks: AsyncIterator[bytes], offset: int, length: int) -> tuple[bytes, bool]:

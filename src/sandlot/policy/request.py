@@ -78,6 +78,27 @@ ACTIONS: Mapping[str, ActionInfo] = MappingProxyType(
             _a("process.start", _C, ("run",), "start a background process"),
             _a("pty.open", _C, ("run",), "open an interactive terminal running a command"),
             _a("process.signal", ContextKind.SIGNAL, ("processes",), "send a signal to a process"),
+            # The other process operations share the SIGNAL shape (signal 0: none is sent), so
+            # a policy scoped to the "processes" group can read context.process_id for all.
+            _a("process.list", ContextKind.SIGNAL, ("processes",), "list background processes"),
+            _a(
+                "process.output",
+                ContextKind.SIGNAL,
+                ("processes",),
+                "read a background process's output",
+            ),
+            _a(
+                "process.wait",
+                ContextKind.SIGNAL,
+                ("processes",),
+                "wait for a background process to exit",
+            ),
+            _a(
+                "process.stdin",
+                ContextKind.SIGNAL,
+                ("processes",),
+                "write to a background process's standard input",
+            ),
             _a("fs.read", _P, ("files", "read"), "read a file"),
             _a("fs.list", _P, ("files", "read"), "list a directory"),
             _a("fs.stat", _P, ("files", "read"), "stat a path"),

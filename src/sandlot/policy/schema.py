@@ -86,8 +86,8 @@ CONTEXT_TYPES: Final[Mapping[ContextKind, tuple[tuple[str, str, str], ...]]] = {
     ),
     ContextKind.PORT: (("port", "Long", "the sandbox port"),),
     ContextKind.SIGNAL: (
-        ("process_id", "String", "the process handle"),
-        ("signal", "Long", "signal number"),
+        ("process_id", "String", 'the process handle ("" for process.list)'),
+        ("signal", "Long", "signal number (0 for operations that send none)"),
     ),
     ContextKind.NETWORK: (
         ("network", "String", '"allow-all", "deny-all" or "allowlist"'),

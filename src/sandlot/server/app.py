@@ -13,7 +13,9 @@ Commands run as server-side jobs: their output goes to an :class:`ExecOutputLog`
 streamed to the client as server-sent events numbered by chunk, so a client that loses the
 connection resumes with ``Last-Event-ID`` and misses nothing; a command whose stream was lost
 is never run twice. Create with ``Accept: text/event-stream`` streams its setup output the
-same way.
+same way. Background processes keep their output in the sandbox, so their event stream is
+numbered by the process's own chunks and resumes the same way. Terminals are WebSockets
+(``/v1/sandboxes/{id}/pty``, protocol in :mod:`sandlot.server.wire`).
 
 This module composes the Manager, the key store, quotas, metrics and the MCP endpoint; it must
 not import concrete backends or the store below the Manager.
@@ -36,15 +38,19 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
+from starlette.datastructures import QueryParams
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.websockets import WebSocketDisconnect
 
 from sandlot._version import __version__
+from sandlot.channel.base import PtySession
 from sandlot.errors import (
     BackendUnavailable,
     InvalidRequest,
@@ -55,11 +61,13 @@ from sandlot.errors import (
 from sandlot.manager import Manager
 from sandlot.models import (
     Actor,
+    Command,
     ExecResult,
     FileInfo,
     NetworkAllowlist,
     OutputChunk,
     PortMapping,
+    ProcessInfo,
     SandboxInfo,
     SandboxStatus,
     SnapshotInfo,
@@ -75,6 +83,7 @@ from sandlot.server.wire import (
     IDEMPOTENCY_HEADER,
     LAST_EVENT_ID,
     PROBLEM_TYPE,
+    PTY_CLOSE_ERROR,
     CreateRequest,
     ExecRequest,
     ExecStarted,
@@ -83,12 +92,20 @@ from sandlot.server.wire import (
     ForkRequest,
     KeepAliveRequest,
     NetworkRequest,
+    OutputEnd,
+    PtyError,
+    PtyExit,
+    PtyOpened,
+    PtyResize,
     ReconcileRequest,
     ReconcileResponse,
     ResetRequest,
     RestoreRequest,
+    SignalRequest,
+    StartProcessRequest,
     StopExpiredResponse,
     VersionInfo,
+    WaitRequest,
     WriteFilesRequest,
     b64decode,
     b64encode,
@@ -252,6 +269,7 @@ PlaneDep = Annotated[_Plane, Depends(_plane)]
 IdemDep = Annotated[str | None, Depends(_idempotency_key)]
 SandboxId = Annotated[str, Path(description="Sandbox id.")]
 SnapshotId = Annotated[str, Path(description="Snapshot id.")]
+ProcessId = Annotated[str, Path(description="Process id (or the name it was started with).")]
 FilePath = Annotated[str, Query(description="Absolute path inside the sandbox.")]
 
 
@@ -889,6 +907,138 @@ def _routes(app: FastAPI) -> None:
                 pass  # the command exited before reading all its input
         return Response(status_code=204)
 
+    # -- processes and terminals -----------------------------------------------------------
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/processes",
+        tags=["processes"],
+        status_code=201,
+        response_model=ProcessInfo,
+        summary="Start a program in the background; it outlives this request.",
+    )
+    async def start_process(
+        sandbox_id: SandboxId, body: StartProcessRequest, actor: ActorDep, plane: PlaneDep
+    ) -> Response:
+        # Shielded: a client that goes away must not leave a started process unrecorded.
+        info = await _shielded(
+            plane.manager.start_process(
+                sandbox_id, body.command, actor=actor, cwd=body.cwd, env=body.env, name=body.name
+            )
+        )
+        return _json(info, 201)
+
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/processes",
+        tags=["processes"],
+        response_model=list[ProcessInfo],
+        summary="Background processes, running and recently exited, in start order.",
+    )
+    async def list_processes(sandbox_id: SandboxId, actor: ActorDep, plane: PlaneDep) -> Response:
+        return _json(await plane.manager.list_processes(sandbox_id, actor=actor))
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/processes/{process_id}/signal",
+        tags=["processes"],
+        status_code=204,
+        summary="Send a signal to a background process's whole tree.",
+    )
+    async def signal_process(
+        sandbox_id: SandboxId,
+        process_id: ProcessId,
+        body: SignalRequest,
+        actor: ActorDep,
+        plane: PlaneDep,
+    ) -> Response:
+        await _shielded(
+            plane.manager.signal_process(sandbox_id, process_id, body.signal, actor=actor)
+        )
+        return Response(status_code=204)
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/processes/{process_id}/wait",
+        tags=["processes"],
+        response_model=ProcessInfo,
+        summary="Wait until a background process exits (504 `timeout` when the timeout passes).",
+    )
+    async def wait_process(
+        sandbox_id: SandboxId,
+        process_id: ProcessId,
+        body: WaitRequest,
+        actor: ActorDep,
+        plane: PlaneDep,
+    ) -> Response:
+        info = await plane.manager.wait_process(
+            sandbox_id, process_id, actor=actor, timeout=body.timeout
+        )
+        return _json(info)
+
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/processes/{process_id}/output",
+        tags=["processes"],
+        responses=_SSE_DOC,
+        response_class=StreamingResponse,
+        summary="A background process's output as events; each event's id is its chunk number.",
+    )
+    async def process_output(
+        sandbox_id: SandboxId,
+        process_id: ProcessId,
+        actor: ActorDep,
+        plane: PlaneDep,
+        follow: bool = False,
+        offset: Annotated[int, Query(ge=0, le=1 << 50)] = 0,
+        last_event_id: Annotated[str | None, Header(alias=LAST_EVENT_ID)] = None,
+    ) -> StreamingResponse:
+        start = _last_event_id(last_event_id, offset - 1) + 1
+        # Checked before the stream starts, so a foreign or unknown id is a plain 404.
+        await plane.manager.get(sandbox_id, actor=actor)
+        return StreamingResponse(
+            _process_events(plane, sandbox_id, process_id, actor, start, follow),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+
+    @app.put(
+        "/v1/sandboxes/{sandbox_id}/processes/{process_id}/stdin",
+        tags=["processes"],
+        status_code=204,
+        summary="Write to a background process's standard input (`close=true` closes it after).",
+        openapi_extra={
+            "requestBody": {
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                }
+            }
+        },
+    )
+    async def process_stdin(
+        sandbox_id: SandboxId,
+        process_id: ProcessId,
+        request: Request,
+        actor: ActorDep,
+        plane: PlaneDep,
+        close: bool = False,
+    ) -> Response:
+        limit = plane.config.max_upload_bytes
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                msg = f"the input is over this server's limit of {limit} bytes"
+                raise PayloadTooLarge(msg, limit=limit)
+            parts.append(chunk)
+        await _shielded(
+            plane.manager.write_stdin(
+                sandbox_id, process_id, b"".join(parts), actor=actor, close=close
+            )
+        )
+        return Response(status_code=204)
+
+    @app.websocket("/v1/sandboxes/{sandbox_id}/pty")
+    async def pty(websocket: WebSocket, sandbox_id: str) -> None:
+        plane: _Plane = websocket.app.state.plane
+        await _pty_session(plane, websocket, sandbox_id)
+
     # -- files -----------------------------------------------------------------------------
 
     @app.get(
@@ -1249,6 +1399,161 @@ async def _log_events(
         yield _sse("error", problem_body(e))
         return
     yield _sse("end", {"offset": offset})
+
+
+async def _process_events(
+    plane: _Plane, sandbox_id: str, process_id: str, actor: Actor, offset: int, follow: bool
+) -> AsyncIterator[bytes]:
+    next_offset = offset
+    try:
+        async for chunk in plane.manager.process_output(
+            sandbox_id, process_id, actor=actor, offset=offset, follow=follow
+        ):
+            next_offset = chunk.seq + 1
+            yield _sse(
+                "output", {"stream": chunk.stream, "data": b64encode(chunk.data)}, id=str(chunk.seq)
+            )
+    except SandboxError as e:
+        yield _sse("error", problem_body(e))
+        return
+    yield _sse("end", OutputEnd(next_offset=next_offset))
+
+
+# -- terminals ------------------------------------------------------------------------------
+
+_PTY_PARAMS = frozenset({"command", "argv", "rows", "cols", "cwd", "env"})
+
+
+async def _ws_actor(plane: _Plane, websocket: WebSocket) -> Actor:
+    scheme, _, key = websocket.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        msg = "this request needs an API key: send `Authorization: Bearer <key>`"
+        raise Unauthenticated(msg)
+    actor = await plane.keys.authenticate(key.strip())
+    if actor is None:
+        msg = "the API key is unknown or revoked"
+        raise Unauthenticated(msg)
+    return actor
+
+
+def _pty_params(
+    query: QueryParams,
+) -> tuple[Command | list[str] | None, int, int, str | None, dict[str, str]]:
+    """``(command, rows, cols, cwd, env)`` from a terminal's query string."""
+    unknown = set(query.keys()) - _PTY_PARAMS
+    if unknown:
+        msg = f"unknown terminal parameters: {', '.join(sorted(unknown))} (known: {', '.join(sorted(_PTY_PARAMS))})"
+        raise InvalidRequest(msg)
+    argv = query.getlist("argv")
+    command = query.get("command")
+    if argv and command is not None:
+        msg = "give the terminal's program as command or as argv, not both"
+        raise InvalidRequest(msg)
+    size = []
+    for name, default in (("rows", 24), ("cols", 80)):
+        raw = query.get(name)
+        if raw is None:
+            size.append(default)
+            continue
+        if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+            msg = f"{name} must be 1..65535, got {raw!r}"
+            raise InvalidRequest(msg)
+        size.append(int(raw))
+    env = {}
+    for pair in query.getlist("env"):
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            msg = f"env must be NAME=VALUE, got {pair!r}"
+            raise InvalidRequest(msg)
+        env[name] = value
+    return argv or command, size[0], size[1], query.get("cwd"), env
+
+
+async def _pty_session(plane: _Plane, websocket: WebSocket, sandbox_id: str) -> None:
+    """Serve one terminal: refuse before the upgrade (a plain problem response) or relay
+    bytes both ways until the program exits or the client goes away."""
+    try:
+        actor = await _ws_actor(plane, websocket)
+        command, rows, cols, cwd, env = _pty_params(websocket.query_params)
+        session = await plane.manager.open_pty(
+            sandbox_id, command, actor=actor, rows=rows, cols=cols, cwd=cwd, env=env
+        )
+    except SandboxError as e:
+        if isinstance(e, PolicyDenied):
+            plane.metrics.policy_decisions.labels(outcome="deny").inc()
+        try:
+            await websocket.send_denial_response(_problem(e))
+        except RuntimeError:
+            # A server without the denial-response extension: refuse the upgrade (403).
+            await websocket.close(1008, e.message[:120])
+        return
+    sending = anyio.Lock()
+
+    async def send(text: str | None = None, data: bytes | None = None) -> None:
+        async with sending:
+            if data is not None:
+                await websocket.send_bytes(data)
+            else:
+                await websocket.send_text(text or "")
+
+    try:
+        await websocket.accept()
+        await send(PtyOpened(id=session.id).model_dump_json())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_pty_output, websocket, session, send, tg.cancel_scope)
+            await _pty_input(websocket, session, send)
+            tg.cancel_scope.cancel()
+    except (WebSocketDisconnect, OSError, RuntimeError):
+        pass  # the client went away: the terminal is hung up below
+    finally:
+        with anyio.CancelScope(shield=True), contextlib.suppress(SandboxError, OSError):
+            await session.close()
+
+
+async def _pty_output(
+    websocket: WebSocket,
+    session: PtySession,
+    send: Callable[..., Awaitable[None]],
+    scope: anyio.CancelScope,
+) -> None:
+    try:
+        try:
+            while data := await session.read():
+                await send(data=data)
+            code = await session.wait()
+        except SandboxError as e:
+            await send(PtyError(problem=problem_body(e)).model_dump_json())
+            await websocket.close(PTY_CLOSE_ERROR)
+        else:
+            await send(PtyExit(exit_code=code).model_dump_json())
+            await websocket.close(1000)
+    except (WebSocketDisconnect, OSError, RuntimeError):
+        pass  # the client is gone; nobody is left to tell
+    scope.cancel()
+
+
+async def _pty_input(
+    websocket: WebSocket, session: PtySession, send: Callable[..., Awaitable[None]]
+) -> None:
+    while True:
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+        data = message.get("bytes")
+        if data is not None:
+            with contextlib.suppress(SandboxError):
+                # Keystrokes after the program exited go nowhere; the output side reports
+                # the exit.
+                await session.write(data)
+            continue
+        try:
+            resize = PtyResize.model_validate_json(message.get("text") or "")
+            await session.resize(resize.rows, resize.cols)
+        except ValidationError as e:
+            error = InvalidRequest(f"not a terminal control message: {e.errors()[0]['msg']}")
+            await send(PtyError(problem=problem_body(error)).model_dump_json())
+        except SandboxError as e:
+            await send(PtyError(problem=problem_body(e)).model_dump_json())
 
 
 def route_table(app: FastAPI) -> Mapping[str, frozenset[str]]:

@@ -174,7 +174,7 @@ class ServerThread:
             log_level="warning",
             lifespan="on",
             timeout_graceful_shutdown=5,
-            ws="none",
+            ws="websockets-sansio",
         )
         server = uvicorn.Server(config)
         self._server = server

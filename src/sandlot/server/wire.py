@@ -15,6 +15,19 @@ The exec event stream (``text/event-stream``)::
 
 The ``id`` of an output event is the chunk's sequence number; ``GET …/execs/{exec_id}/events``
 with ``Last-Event-ID: N`` replays from chunk ``N + 1``.
+
+A background process's output (``GET …/processes/{process_id}/output``) is the same ``output``
+events, numbered by the process's own chunk sequence (so ``Last-Event-ID: N`` resumes at chunk
+``N + 1``), then ``event: end data: {"next_offset": n}`` (or an ``error`` event).
+
+A terminal is a WebSocket, ``GET /v1/sandboxes/{id}/pty`` with the usual ``Authorization``
+header and the program in the query: ``command`` (a string run under ``sh -c``) or repeated
+``argv``, and ``rows``, ``cols``, ``cwd``, repeated ``env=NAME=VALUE``. Everything that can fail
+(the key, the sandbox, the policy) fails before the upgrade, as a plain problem response with
+its status. Once open, binary frames carry terminal bytes both ways; text frames carry JSON
+control messages: the server first sends :class:`PtyOpened`, the client may send
+:class:`PtyResize`, and when the program exits the server sends :class:`PtyExit` and closes
+(code 1000). A client that disconnects hangs the terminal up (its program gets SIGHUP).
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ __all__ = [
     "IDEMPOTENCY_HEADER",
     "LAST_EVENT_ID",
     "PROBLEM_TYPE",
+    "PTY_CLOSE_ERROR",
     "CreateRequest",
     "ExecRequest",
     "ExecStarted",
@@ -41,12 +55,20 @@ __all__ = [
     "ForkRequest",
     "KeepAliveRequest",
     "LogEvent",
+    "OutputEnd",
     "OutputEvent",
+    "PtyError",
+    "PtyExit",
+    "PtyOpened",
+    "PtyResize",
     "ReconcileRequest",
     "ReconcileResponse",
     "RestoreRequest",
+    "SignalRequest",
+    "StartProcessRequest",
     "StopExpiredResponse",
     "VersionInfo",
+    "WaitRequest",
     "WriteFilesRequest",
     "b64decode",
     "b64encode",
@@ -62,6 +84,9 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 """Accepted on mutating requests; the journal maps it to an intent (not enforced yet)."""
 LAST_EVENT_ID = "Last-Event-ID"
 """The SSE resume header: the last output sequence number the client has."""
+
+PTY_CLOSE_ERROR = 4500
+"""WebSocket close code after a :class:`PtyError` (the terminal broke, not the program)."""
 
 _MAX_SECONDS = 10 * 365 * 86400.0
 """Longest duration the API accepts (ten years): beyond it, datetime arithmetic overflows."""
@@ -133,6 +158,75 @@ class ExecRequest(_Body):
     """Fail with ``exec_failed`` (carrying the result) on a non-zero exit."""
     auto_resume: bool = True
     """Resume a stopped sandbox first (else ``invalid_state``)."""
+
+
+class StartProcessRequest(_Body):
+    """``POST /v1/sandboxes/{id}/processes``: a program started in the background."""
+
+    command: str | CommandSpec | list[Annotated[str, Field(max_length=1 << 16)]]
+    """A string runs under ``sh -c``; a list or a CommandSpec is an exact argv."""
+    cwd: str | None = Field(default=None, max_length=4096)
+    """Working directory (default: the spec's workdir)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables."""
+    name: str | None = Field(default=None, min_length=1, max_length=128)
+    """A name to find it by (unique among running processes)."""
+
+
+class SignalRequest(_Body):
+    """``POST /v1/sandboxes/{id}/processes/{process_id}/signal``."""
+
+    signal: int = Field(default=15, ge=1, le=64)
+    """Signal number (default SIGTERM); it goes to the process's whole tree."""
+
+
+class WaitRequest(_Body):
+    """``POST /v1/sandboxes/{id}/processes/{process_id}/wait``."""
+
+    timeout: Seconds | None = None
+    """Seconds to wait before ``timeout`` (504); default: until it exits."""
+
+
+class OutputEnd(_Body):
+    """The ``end`` event of a process's output stream."""
+
+    next_offset: int
+    """The offset to read on from (one past the last chunk sent)."""
+
+
+class PtyOpened(_Body):
+    """The server's first text frame on a terminal WebSocket."""
+
+    type: Literal["opened"] = "opened"
+    id: str
+    """The terminal's handle."""
+
+
+class PtyResize(_Body):
+    """A text frame from the client: change the window size."""
+
+    type: Literal["resize"] = "resize"
+    rows: int = Field(ge=1, le=65535)
+    """Rows."""
+    cols: int = Field(ge=1, le=65535)
+    """Columns."""
+
+
+class PtyExit(_Body):
+    """The server's last text frame: the program exited."""
+
+    type: Literal["exit"] = "exit"
+    exit_code: int
+    """Its exit code (``128 + N`` when killed by signal N)."""
+
+
+class PtyError(_Body):
+    """A text frame from the server: a control message was refused, or (before a close with
+    :data:`PTY_CLOSE_ERROR`) the terminal broke."""
+
+    type: Literal["error"] = "error"
+    problem: dict[str, JsonValue]
+    """The problem document (with sandlot's ``code``)."""
 
 
 class ExecStarted(_Body):

@@ -4,13 +4,12 @@ and over streamable HTTP (``/mcp`` on a real server, behind API keys)."""
 from __future__ import annotations
 
 import os
-import re
-import shlex
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import httpx
 import httpx2
 import pytest
@@ -19,9 +18,8 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from sandlot import PolicyDenied
-from sandlot.models import ExecResult
 from sandlot.server.testing import ServerThread
-from sandlot.testing import FakeBackend, FakeExec
+from sandlot.testing import FakeBackend
 
 TOOLS = {
     "create_sandbox",
@@ -45,22 +43,9 @@ TOOLS = {
 }
 
 
-def _background(req: FakeExec) -> ExecResult | None:
-    """What a shell does with run_agent's `nohup sh -c CMD > LOG ... & echo $!`, for `echo`."""
-    script = req.argv[2] if req.argv[:2] == ["sh", "-c"] else ""
-    found = re.search(r"nohup sh -c (.+) > (\S+) 2>&1 < /dev/null & echo \$!$", script)
-    if found is None:
-        return None
-    inner = shlex.split(found.group(1))[0]
-    words = shlex.split(inner)
-    output = " ".join(words[1:]) + "\n" if words[:1] == ["echo"] else ""
-    req.sandbox.append_log(found.group(2), output.encode())
-    return ExecResult(exit_code=0, stdout="4242\n")
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> AsyncIterator[ServerThread]:
-    fake = FakeBackend(exec_handler=_background)
+    fake = FakeBackend()
     with ServerThread(tmp_path / "srv", backends={"fake": fake}) as s:
         s.fake = fake  # type: ignore[attr-defined]
         yield s  # type: ignore[misc]
@@ -215,7 +200,11 @@ async def test_http_walk_run_agent_and_policy_denial(server: ServerThread) -> No
         )
         assert not started.is_error, started.content
         handle = started.structured_content
-        assert handle["pid"] == 4242
+        assert handle["pid"] > 0
+        assert handle["command"] == ["sh", "-c", "echo agent says hi"]
+        (call,) = server.fake.calls_for(sid, "start_process")[-1:]  # type: ignore[attr-defined]
+        assert call.args["argv"] == ["sh", "-c", "echo agent says hi"]
+        assert not [c for c in server.fake.calls_for(sid, "exec") if "nohup" in str(c.args)]  # type: ignore[attr-defined]
         first = await client.call_tool(
             "get_logs", {"sandbox_id": sid, "process_id": handle["process_id"], "max_bytes": 6}
         )
@@ -229,6 +218,11 @@ async def test_http_walk_run_agent_and_policy_denial(server: ServerThread) -> No
             },
         )
         assert more.structured_content["data"] == "says hi\n"
+        assert (more.structured_content["running"], more.structured_content["exit_code"]) == (
+            False,
+            0,
+        )
+        await _run_agent_task_and_follow(client, server.fake, sid)  # type: ignore[attr-defined]
 
         server.fake.fail_next(  # type: ignore[attr-defined]
             "exec",
@@ -257,6 +251,46 @@ async def test_http_walk_run_agent_and_policy_denial(server: ServerThread) -> No
         hidden = await client.call_tool("get_sandbox", {"sandbox_id": sid})
         assert hidden.structured_content["error"]["code"] == "not_found"
         assert (await client.call_tool("list_sandboxes", {})).structured_content["sandboxes"] == []
+
+
+async def _run_agent_task_and_follow(client: Client, fake: FakeBackend, sid: str) -> None:
+    # The task goes to the program's standard input, which is then closed (`cat` echoes it
+    # and exits at end of input).
+    reader = await client.call_tool(
+        "run_agent", {"sandbox_id": sid, "command": ["cat"], "task": "fix the tests"}
+    )
+    assert not reader.is_error, reader.content
+    (fed,) = fake.calls_for(sid, "write_stdin")[-1:]
+    assert (fed.args["data"], fed.args["close"]) == (b"fix the tests", True)
+    logs = await client.call_tool(
+        "get_logs", {"sandbox_id": sid, "process_id": reader.structured_content["process_id"]}
+    )
+    assert logs.structured_content["data"] == "fix the tests"
+    assert logs.structured_content["running"] is False
+
+    # A long-running program: get_logs waits for new output when asked to.
+    agent = await client.call_tool(
+        "run_agent", {"sandbox_id": sid, "command": "my-agent --serve", "name": "agent"}
+    )
+    pid = agent.structured_content["process_id"]
+    assert agent.structured_content["name"] == "agent"
+    empty = await client.call_tool("get_logs", {"sandbox_id": sid, "process_id": pid, "wait": 0.2})
+    assert (empty.structured_content["data"], empty.structured_content["running"]) == ("", True)
+
+    async def speak() -> None:
+        await anyio.sleep(0.3)
+        fake.emit_process_output(sid, pid, "step 1 done\n")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(speak)
+        waited = await client.call_tool(
+            "get_logs", {"sandbox_id": sid, "process_id": pid, "wait": 20}
+        )
+    assert waited.structured_content["data"] == "step 1 done\n"
+    assert waited.structured_content["next_offset"] == len("step 1 done\n")
+    unknown = await client.call_tool("get_logs", {"sandbox_id": sid, "process_id": "p-nope"})
+    assert unknown.is_error
+    assert unknown.structured_content["error"]["code"] == "not_found"
 
 
 def test_http_mcp_needs_a_key(server: ServerThread) -> None:

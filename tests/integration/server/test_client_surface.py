@@ -36,6 +36,7 @@ def _sync_text(annotation: str) -> str:
     text = annotation.replace("AsyncIterator", "Iterator").replace(
         "AsyncRemoteSandbox", "RemoteSandbox"
     )
+    text = re.sub(r"\bAsyncTerminal\b", "Terminal", text)
     return re.sub(r"\bAsyncClient\b", "Client", text)
 
 

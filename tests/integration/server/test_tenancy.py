@@ -53,6 +53,15 @@ _INPUTS: dict[tuple[str, str], dict[str, object]] = {
     ("POST", "/v1/sandboxes/{sandbox_id}/explain"): {
         "json": {"action": "exec", "args": {"command": "ls"}}
     },
+    ("POST", "/v1/sandboxes/{sandbox_id}/processes"): {"json": {"command": "sleep 100"}},
+    ("GET", "/v1/sandboxes/{sandbox_id}/processes"): {},
+    ("POST", "/v1/sandboxes/{sandbox_id}/processes/{process_id}/signal"): {"json": {"signal": 9}},
+    ("POST", "/v1/sandboxes/{sandbox_id}/processes/{process_id}/wait"): {"json": {"timeout": 1}},
+    ("GET", "/v1/sandboxes/{sandbox_id}/processes/{process_id}/output"): {},
+    ("PUT", "/v1/sandboxes/{sandbox_id}/processes/{process_id}/stdin"): {
+        "params": {"close": "true"},
+        "content": b"input",
+    },
     ("POST", "/v1/approvals/{approval_id}/approve"): {},
     ("POST", "/v1/approvals/{approval_id}/deny"): {},
 }
@@ -107,11 +116,19 @@ def test_every_id_route_hides_other_tenants_objects(server: ServerThread) -> Non
         ) as r:
             first = next(line for line in r.iter_lines() if line.startswith("data:"))
         exec_id = json.loads(first.removeprefix("data:"))["exec_id"]
-    theirs = {"sandbox_id": sb.id, "snapshot_id": snap.id, "exec_id": exec_id}
+    with Client(server.url, key_a) as a:
+        (main,) = [p for p in a.get(sb.id).list_processes() if p.running]
+    theirs = {
+        "sandbox_id": sb.id,
+        "snapshot_id": snap.id,
+        "exec_id": exec_id,
+        "process_id": main.id,
+    }
     nobody = {
         "sandbox_id": "sb-0123456789ab",
         "snapshot_id": "snap-0123456789ab",
         "exec_id": "ex-0123456789ab",
+        "process_id": "p-nobody",
     }
 
     routes = _routes_with_ids(server)
@@ -140,9 +157,25 @@ def test_every_id_route_hides_other_tenants_objects(server: ServerThread) -> Non
         assert (refused.status_code, refused.json()["code"]) == (403, "policy_denied")
         assert b.post("/v1/stop-expired").status_code == 403
 
+        # The terminal WebSocket refuses before the upgrade, with the same 404 for both.
+        for ids in (theirs, nobody):
+            refused = b.get(
+                f"/v1/sandboxes/{ids['sandbox_id']}/pty",
+                headers={
+                    "Connection": "Upgrade",
+                    "Upgrade": "websocket",
+                    "Sec-WebSocket-Version": "13",
+                    "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+                },
+            )
+            assert refused.status_code == 404, refused.text
+            assert refused.headers["content-type"] == "application/problem+json"
+            assert refused.json()["code"] == "not_found"
+
     with Client(server.url, key_a) as a:
         again = a.get(sb.id)
         assert again.status.value == "running"
+        assert [p.id for p in again.list_processes() if p.running] == [main.id]
         assert again.read_file("/workspace/secret") == b"A's data"
         assert [s.id for s in a.list_snapshots(sb.id)] == [snap.id]
         assert [s.id for s in a.list()] == [sb.id], "B's forks must not have been made for A"

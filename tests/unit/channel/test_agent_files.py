@@ -53,7 +53,7 @@ async def test_1_gib_round_trip_keeps_its_sha256(channel: AgentChannel, tmp_path
     print(f"1 GiB up + down in {elapsed:.2f}s: {rate:.0f} MB/s")
     # A regression guard, not the target (>= 200 MB/s, met on tmpfs; see bench/agent_exec.py):
     # this run includes 3 GiB of SHA-256 and the disk's own write speed.
-    assert rate > 50
+    assert rate > 25
 
 
 async def test_write_makes_parents_sets_mode_and_leaves_no_temp_files(

@@ -19,7 +19,7 @@ default = "deny"
 [[rule]]
 id = "allow-tools"
 effect = "permit"
-actions = ["exec", "process.st*"]
+actions = ["exec", "process.sta*"]
 when = { program = ["ls", "python*", "git"] }
 
 [[rule]]
