@@ -1760,6 +1760,16 @@ class Manager:
 
     # -- housekeeping ------------------------------------------------------------------------
 
+    async def record_egress(self) -> int:
+        """Turn the egress decisions of every running sandbox, logged since the last time, into
+        ``network.egress`` receipts (the server does this periodically; stop and destroy do it
+        for their sandbox). The number of sandboxes looked at."""
+        running = await self.store.list(SandboxQuery(statuses=frozenset({S.RUNNING})))
+        for sb in running:
+            with contextlib.suppress(SandboxError):
+                await self._drain_egress(sb)
+        return len(running)
+
     async def stop_expired(self, *, now: datetime | None = None) -> builtins.list[str]:
         """Stop running sandboxes whose TTL ran out (cause ``ttl``) or that sat idle longer
         than ``idle_timeout`` (cause ``idle``); the ids stopped."""

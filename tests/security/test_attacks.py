@@ -310,3 +310,23 @@ async def test_the_agent_socket_directory_cannot_fill_the_host(backend, sandbox,
         # gVisor's agent binds its socket on a host directory: a 64 KiB tmpfs of its own.
         assert lines[0] == "refused"
         assert int(lines[-1]) <= 64 << 10
+
+
+async def test_denials_hold_with_the_reused_seccomp_program(backend, isolation, spec_for) -> None:
+    # crun compiles the profile for the first sandbox; later ones get that program back
+    # through an annotation. The filter they run under must deny the same calls.
+    first = await backend.create(new_id("atk"), spec_for(isolation))
+    ref = await backend.create(new_id("atk"), spec_for(isolation))
+    config = (backend.state_dir / ref / "config.json").read_text()
+    if isolation == "namespaces":
+        assert "run.oci.seccomp_bpf_data" in config
+        status = (await sh(backend, ref, "grep ^Seccomp /proc/self/status")).stdout
+        assert "Seccomp:\t2" in status, status
+    unshare = await py(backend, ref, UNSHARE)
+    assert all(line.split()[0] == "-1" for line in unshare.stdout.splitlines()), unshare
+    ptrace = await py(backend, ref, PTRACE)
+    assert ptrace.stdout.split()[0] == "-1", ptrace
+    result = await sh(backend, ref, "mkdir -p /mnt/x; mount -t tmpfs none /mnt/x; echo rc=$?")
+    assert "rc=0" not in result.stdout
+    for r in (first, ref):
+        await backend.destroy(r)

@@ -127,7 +127,15 @@ READ_ONLY = {
     "aclose",
 }
 STREAMS = {"stream_file": "/workspace/f", "logs": None, "process_output": "p1"}
-HOUSEKEEPING = {"reconcile", "recover", "stop_expired", "approve", "deny", "create"}
+HOUSEKEEPING = {
+    "reconcile",
+    "recover",
+    "record_egress",
+    "stop_expired",
+    "approve",
+    "deny",
+    "create",
+}
 
 
 async def test_every_manager_operation_passes_the_gate(home: Path, tmp_path: Path) -> None:

@@ -24,8 +24,9 @@ async def test_reset_to_baseline_and_to_snapshot(aclient: AsyncSandlot, fake: Fa
     info = await sb.reset()
     assert [f.name for f in await sb.list_files()] == []
     assert fake.calls_for(sb.id, "start_process")[-1].args["argv"] == ["sh", "-c", "serve"]
-    kinds = [r.body.get("op") for r in aclient.receipts.tail(6)]
-    assert "reset" in kinds
+    await aclient.manager.flush_receipts()
+    kinds = [r.body.get("op") for r in aclient.receipts.tail(40)]
+    assert kinds.count("reset") == 4, "a decision and an execution receipt per reset"
 
 
 async def test_failed_verification_fails_the_sandbox(
@@ -92,3 +93,12 @@ async def test_network_and_reset_refused_where_unsupported(tmp_path) -> None:  #
             await sb.update_network("deny-all")
         with pytest.raises(NotSupported, match="reset"):
             await sb.reset()
+
+
+async def test_record_egress_sweeps_running_sandboxes(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    sb = await aclient.create()
+    fake.emit_egress(sb.id, "pypi.org", allowed=True)
+    assert await aclient.manager.record_egress() == 1
+    assert [r for r in aclient.receipts.tail(5) if r.type == "network.egress"]

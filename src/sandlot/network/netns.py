@@ -129,9 +129,18 @@ def slot(pool: str, index: int) -> Slot:
     return Slot(index, str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2)))
 
 
+_TOOLS_FOUND = False
+
+
 def tools_missing() -> list[str]:
     """Which of ``ip`` and ``nft`` are not installed."""
-    return [t for t in ("ip", "nft") if shutil.which(t) is None]
+    # A found tool stays found; this is asked on every boot.
+    global _TOOLS_FOUND
+    if _TOOLS_FOUND:
+        return []
+    missing = [t for t in ("ip", "nft") if shutil.which(t) is None]
+    _TOOLS_FOUND = not missing
+    return missing
 
 
 def _run(argv: list[str], stdin: str | None = None, *, ok_errors: tuple[str, ...] = ()) -> str:

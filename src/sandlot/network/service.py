@@ -291,7 +291,8 @@ class SandboxNetworks:
         with self._locked():
             prior = self._load(sandbox_id)
             (self.state_dir / "sandboxes" / f"{sandbox_id}.json").unlink(missing_ok=True)
-            if self._ping() is not None:
+            alive = self._ping() is not None
+            if alive:
                 self._control({"op": "sync", "sandbox_id": sandbox_id})
             # A deny-all namespace never has a table (preparing deny-all removes any earlier
             # one before recording the policy), so the nft run (~5 ms) is skipped for it.
@@ -301,7 +302,9 @@ class SandboxNetworks:
             netns.delete_netns(names.netns)
             if not keep_log:
                 self.log_path(sandbox_id).unlink(missing_ok=True)
-            if not self._anyone_needs_daemon():
+            # Reading every sandbox's state is only worth it while there is a daemon to stop.
+            daemon = alive or self._daemon_pid() is not None
+            if daemon and not self._anyone_needs_daemon():
                 self._stop_daemon()
 
     def expose_port_sync(self, sandbox_id: str, port: int, host: str = "127.0.0.1") -> PortMapping:

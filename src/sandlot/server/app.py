@@ -1354,6 +1354,7 @@ async def _sweep(manager: Manager, interval: float) -> None:
         try:
             with anyio.CancelScope(shield=True):
                 stopped = await manager.stop_expired()
+                await manager.record_egress()
         except SandboxError as e:
             log.warning("sweeping expired sandboxes failed: %s", e)
             continue

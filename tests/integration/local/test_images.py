@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sandlot.backends.local import LocalBackend
-from sandlot.errors import InvalidRequest
+from sandlot.errors import BackendError, InvalidRequest
 from sandlot.models import ExecResult, new_id
 
 BUSYBOX = shutil.which("busybox")
@@ -116,4 +117,20 @@ async def test_bad_image_references_are_refused(backend, spec_for, tmp_path) -> 
     ):
         with pytest.raises(InvalidRequest, match=match):
             await backend.create(new_id("sb"), spec_for("namespaces", image=image))
+    assert await backend.list_owned() == {}
+
+
+async def test_a_vanished_layer_fails_the_boot_with_a_backend_error(
+    backend, spec_for, rootfs
+) -> None:
+    # Steps of a boot run side by side; their failures still reach the caller as themselves.
+    (rootfs / "etc" / "unique").write_text(new_id("layer"))
+    spec = spec_for("namespaces", image=str(rootfs))
+    ref = await backend.create(new_id("sb"), spec)
+    await backend.stop(ref)
+    meta = json.loads((backend.state_dir / ref / "meta.json").read_text())
+    shutil.rmtree(meta["layers"][0]["path"])
+    with pytest.raises(BackendError, match="is gone"):
+        await backend.start(ref, spec)
+    await backend.destroy(ref)
     assert await backend.list_owned() == {}

@@ -12,6 +12,7 @@ import pytest
 
 from sandlot.backends.base import BackendState
 from sandlot.backends.local import LocalBackend
+from sandlot.backends.local.ids import RANGE_SIZE
 from sandlot.errors import InvalidRequest, InvalidState, NotSupported
 from sandlot.models import ExecResult, SandboxSpec, new_id
 
@@ -116,8 +117,14 @@ async def test_requests_it_cannot_honour_are_refused(backend) -> None:
         await backend.expose_port(ref, 8080)
 
 
-def _footprint(backend: LocalBackend) -> dict[str, set[str]]:
-    """Everything on the host that could belong to this backend's sandboxes."""
+def _footprint(backend: LocalBackend, ranges: set[int] | None = None) -> dict[str, set[str]]:
+    """Everything on the host that could belong to this backend's sandboxes.
+
+    Processes count when they name this backend's directories or run under one of its uid
+    ranges (``ranges``: first uids, default those recorded now); other suites may run sandboxes
+    of their own on this host at the same time.
+    """
+    bases = set(backend.uid_ranges()) if ranges is None else ranges
     state = str(backend.state_dir)
     run = str(backend.run_dir)
     tag = backend.run_dir.name
@@ -141,7 +148,8 @@ def _footprint(backend: LocalBackend) -> dict[str, set[str]]:
             uid = (entry / "status").read_text().split("\nUid:\t", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if run in cmdline or state in cmdline or (int(uid) >= 1 << 20 and "agent.py" in cmdline):
+        ours = any(b <= int(uid) < b + RANGE_SIZE for b in bases)
+        if run in cmdline or state in cmdline or ours:
             processes.add(f"{entry.name} {cmdline}")
     runtime_state = {
         str(p)
@@ -180,7 +188,8 @@ async def test_destroy_leaves_nothing(backend, isolation, spec_for) -> None:
         await channel.start_process(["sleep", "600"])
         await channel.write_file("/tmp/x", b"x")
         await channel.close()
-    during = _footprint(backend)
+    ranges = set(backend.uid_ranges())
+    during = _footprint(backend, ranges)
     assert during["mounts"] - before["mounts"]
     assert during["processes"] - before["processes"]
     assert during["runtime"] - before["runtime"]
@@ -189,18 +198,20 @@ async def test_destroy_leaves_nothing(backend, isolation, spec_for) -> None:
     await backend.stop(refs[1])
     for ref in refs:
         await backend.destroy(ref)
-    assert _footprint(backend) == before
+    assert _footprint(backend, ranges) == before
 
 
 async def test_orphans_are_found_and_reaped(backend, isolation, spec_for) -> None:
     before = _footprint(backend)
     ref = await backend.create(new_id("sb"), spec_for(isolation))
+    ranges = set(backend.uid_ranges())
+    assert _footprint(backend, ranges)["processes"]
     # A crash mid-destroy: the record is gone, the container, mounts and cgroups are not.
     (backend.state_dir / ref / "meta.json").unlink()
     assert (await backend.list_owned()) == {ref: ref}
     await backend.destroy(ref)
     assert await backend.list_owned() == {}
-    after = _footprint(backend)
+    after = _footprint(backend, ranges)
     # The sandbox's processes are gone (killed by the runtime); nothing else is left either.
     assert after == before
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sandlot.backends.local import LocalBackend
@@ -164,3 +166,39 @@ async def test_reset_boots_a_stopped_sandbox(backend, spec_for) -> None:
     assert (await backend.reset(ref, None, spec))["ok"] is True
     assert (await backend.inspect(ref)).state == "running"
     assert (await sh(backend, ref, "ls -A /workspace")).stdout == ""
+
+
+def container_of(backend: LocalBackend, ref: str) -> str:
+    return str(json.loads((backend.state_dir / ref / "meta.json").read_text())["container"])
+
+
+async def test_reset_from_the_warm_pool_swaps_in_a_verified_sandbox(make_backend, spec_for) -> None:
+    backend = make_backend(pool={"namespaces": 1})
+    spec = spec_for("namespaces", workdir="/srv/app", env={"WHO": "me"})
+    # Made cold (the pool is empty), reset from the pool: the baselines must be the same.
+    ref = await backend.create(new_id("sb"), spec)
+    cold = container_of(backend, ref)
+    await backend.fill_pool()
+    [pooled] = backend.pooled()
+    await sh(backend, ref, "echo dirty > /srv/app/f; setsid sleep 300 > /dev/null 2>&1 &")
+
+    report = await backend.reset(ref, None, spec)
+
+    assert report["ok"] is True
+    assert report["via"] == "pool"
+    assert {c["source"] for c in report["checks"]} == {"layers", "upper", "processes", "runtime"}
+    assert container_of(backend, ref) == pooled
+    assert backend.pooled() == []
+    result = await sh(backend, ref, 'ls -A /srv/app; echo "$WHO $(pwd)"; ps -eo args')
+    assert result.stdout.startswith("me /srv/app\n")
+    assert "sleep 300" not in result.stdout
+    # The swapped-out sandbox is gone entirely: container, uid range, directory.
+    assert cold not in {c for rt in ("crun",) for c in backend._runtimes[rt].names()}
+    assert list(backend.uid_ranges().values()) == [pooled]
+    assert list((backend.state_dir / ".trash").iterdir()) == []
+    assert (await backend.verify(ref))["ok"] is True
+    # With the pool empty, the next reset restarts the sandbox in place.
+    report = await backend.reset(ref, None, spec)
+    assert report["ok"] is True
+    assert "via" not in report
+    assert container_of(backend, ref) == pooled

@@ -19,6 +19,14 @@ loop-mounted ext4 image) for ``disk_mb``; no new privileges, a reduced capabilit
 deny list, masked and read-only ``/proc`` and ``/sys`` paths (:mod:`.oci`, :mod:`.seccomp`); and
 an empty network namespace (loopback only) unless a network service is plugged in.
 
+``reset`` is verified from the host, never from inside: every process ends, the writable layer
+is swapped for an empty one over the target's lower layers (for the baseline, the layers the
+sandbox was created on; for a snapshot, its layer re-hashed against its manifest first), the
+sandbox boots, and then the checks run: the upper layer's digest against the one recorded right
+after create (for a snapshot: nothing but the runtime's own mount points), the processes in the
+sandbox's cgroup (the agent alone) and crun's record (running, with that agent as init).
+:meth:`LocalBackend.verify` runs the same checks later, without changing anything.
+
 A warm pool (``pool={"namespaces": N}``) keeps booted default-root sandboxes under
 ``<state_dir>/.pool/<isolation>/``; ``create`` claims one by an atomic ``renameat2(NOREPLACE)``
 of its directory, so two processes never claim the same one. This module must not import the
@@ -330,7 +338,8 @@ class LocalBackend:
         self._fill_lock = anyio.Lock()
         self._subreaper = False
         self._usable: set[str] = set()
-        for sub in (".locks", ".pool", ".snapshots"):
+        self._retiring: set[str] = set()
+        for sub in (".locks", ".pool", ".snapshots", ".trash"):
             (self.state_dir / sub).mkdir(exist_ok=True, mode=0o700)
 
     # ------------------------------------------------------------------ protocol basics
@@ -815,9 +824,10 @@ class LocalBackend:
                 env.update(net.env())
             profile.append(await anyio.to_thread.run_sync(self._bundle, d, meta, spec, netns, env))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, self._mount, d, meta)
-            tg.start_soon(network_and_bundle)
+        with _lone_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, self._mount, d, meta)
+                tg.start_soon(network_and_bundle)
         network = (
             self._networks is not None and meta.net_key is not None and spec.network != "deny-all"
         )
@@ -921,26 +931,27 @@ class LocalBackend:
         try:
             _bind_unix(listener, sock_path)
             listener.listen(128)
-            async with anyio.create_task_group() as tg:
-                # Queued in the listen backlog until the agent accepts it.
-                tg.start_soon(connect)
-                try:
-                    await rt.run(
-                        meta.container,
-                        d,
-                        listen_fd=listener.fileno(),
-                        log=d / "logs" / "runtime.log",
-                        pid_file=pid_file,
-                        network=network,
-                    )
-                except BaseException:
-                    connect_scope.cancel()
-                    raise
-                finally:
-                    listener.close()
-                self._record_init(d, meta, pid_file, baseline=baseline)
-                if meta.init is not None:
-                    tg.start_soon(watch, meta.init[0], meta.init[1])
+            with _lone_error():
+                async with anyio.create_task_group() as tg:
+                    # Queued in the listen backlog until the agent accepts it.
+                    tg.start_soon(connect)
+                    try:
+                        await rt.run(
+                            meta.container,
+                            d,
+                            listen_fd=listener.fileno(),
+                            log=d / "logs" / "runtime.log",
+                            pid_file=pid_file,
+                            network=network,
+                        )
+                    except BaseException:
+                        connect_scope.cancel()
+                        raise
+                    finally:
+                        listener.close()
+                    self._record_init(d, meta, pid_file, baseline=baseline)
+                    if meta.init is not None:
+                        tg.start_soon(watch, meta.init[0], meta.init[1])
         except BaseException:
             for ch in connected:
                 with anyio.CancelScope(shield=True):
@@ -1217,17 +1228,22 @@ class LocalBackend:
         shutil.rmtree(d)
 
     def _remove_cgroups(self, container: str) -> None:
+        # Only the sandbox's own directory: the shared ``sandlot/<tag>`` parents stay while the
+        # backend is in use, because removing them races with the runtime making a sibling
+        # (another task or process), which then fails with ENOENT.
         rel = self._cgroup_rel(container).lstrip("/")
         roots = [p for p in Path("/sys/fs/cgroup").iterdir() if p.is_dir()]
         for root in [*roots, Path("/sys/fs/cgroup")]:
-            target = root / rel
-            for path in (target, target.parent, target.parent.parent):
-                try:
-                    path.rmdir()
-                except FileNotFoundError:
-                    continue
-                except OSError:
-                    break
+            with contextlib.suppress(OSError):
+                (root / rel).rmdir()
+
+    def _remove_tag_cgroups(self) -> None:
+        """The backend's empty ``sandlot/<tag>`` cgroup directories (when it has no sandbox)."""
+        rel = self._cgroup_rel("x").lstrip("/").rsplit("/", 1)[0]
+        roots = [p for p in Path("/sys/fs/cgroup").iterdir() if p.is_dir()]
+        for root in [*roots, Path("/sys/fs/cgroup")]:
+            with contextlib.suppress(OSError):
+                (root / rel).rmdir()
 
     async def inspect(self, ref: str) -> BackendState:
         """``running``, ``stopped`` (with ``oom``/``exited``/``stopped`` as the reason) or
@@ -1248,6 +1264,7 @@ class LocalBackend:
     async def list_owned(self) -> dict[str, str]:
         """Every sandbox directory under the state directory (pool entries excluded), and
         containers of ours whose directory is gone (to be destroyed by ``reconcile``)."""
+        await self._empty_trash()
         await anyio.to_thread.run_sync(self.release_leaked_uid_ranges)
         out: dict[str, str] = {}
         for entry in self.state_dir.iterdir():
@@ -1284,6 +1301,7 @@ class LocalBackend:
         for meta_path in [
             *self.state_dir.glob("*/meta.json"),
             *(self.state_dir / ".pool").glob("*/*/meta.json"),
+            *(self.state_dir / ".trash").glob("*/meta.json"),
         ]:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 users.add(_Meta.load(meta_path).container)
@@ -1436,6 +1454,11 @@ class LocalBackend:
         snapshot), the processes in its cgroup (the agent alone) and the runtime's record
         (running, that agent as init).
 
+        With a warm pool for the sandbox's kind, a reset to the baseline of a default-root
+        sandbox takes a pooled sandbox instead of restarting (a pooled sandbox is exactly such a
+        baseline; the same checks prove it), and the old one is destroyed after: in the
+        background while :meth:`pool_refiller` runs, else before returning.
+
         Returns:
             The verification report: ``ok``, ``target``, ``diverged``, timings and one check
             per source (``layers``, ``snapshot``, ``upper``, ``processes``, ``runtime``) with
@@ -1448,10 +1471,16 @@ class LocalBackend:
             NotFound: no such sandbox or snapshot.
         """
         started = time.perf_counter()
-        self._validate(ref, spec)
+        runtime = self._validate(ref, spec)
         self._ensure_subreaper()
         async with self._alock(ref):
             d, meta = self._meta(ref)
+            if snapshot is None:
+                swapped = await self._reset_by_claim(ref, d, meta, spec, runtime, started)
+                if swapped is not None:
+                    if swapped["diverged"]:
+                        raise _verification_error(ref, swapped)
+                    return swapped
             checks: list[JsonValue] = []
             if snapshot is not None:
                 target = f"snapshot:{snapshot.ref}"
@@ -1510,6 +1539,91 @@ class LocalBackend:
         if report["diverged"]:
             raise _verification_error(ref, report)
         return report
+
+    async def _reset_by_claim(
+        self, ref: str, d: Path, meta: _Meta, spec: SandboxSpec, runtime: str, started: float
+    ) -> dict[str, JsonValue] | None:
+        """Reset to the baseline by swapping in a pooled sandbox; None when that cannot serve
+        (no pool, not a default-root baseline, a disk limit, published ports)."""
+        base = meta.baseline
+        isolation = self._poolable(spec)
+        if base is None or isolation is None or meta.disk_mb is not None or spec.ports:
+            return None
+        if not self.pooled(isolation):
+            return None
+        skeleton = await anyio.to_thread.run_sync(self._cache().skeleton)
+        base_layers = base.get("layers")
+        if not (
+            isinstance(base_layers, list)
+            and len(base_layers) == 1
+            and isinstance(base_layers[0], dict)
+            and base_layers[0].get("key") == skeleton.key
+        ):
+            return None
+        if self._networks is not None and meta.net_key is not None:
+            with contextlib.suppress(NotFound):
+                if await self._networks.list_ports(meta.net_key):
+                    return None  # published ports belong to this sandbox's namespace
+        trash = self.state_dir / ".trash" / f"{ref}-{secrets.token_hex(4)}"
+        trash.parent.mkdir(exist_ok=True, mode=0o700)
+        ready = self._ready.pop(ref, None)
+        if ready is not None:
+            with contextlib.suppress(Exception):
+                await ready.close()
+        # Its processes run on while it moves aside: what they use by path (the socket, the
+        # layer) was opened already. Renamed in its record too, so tearing it down later
+        # cannot touch what the new sandbox holds under this id.
+        _move_aside(meta, d, trash)
+        try:
+            claimed = await self._claim(ref, spec, runtime)
+        except BaseException:
+            _untrash(trash, d, ref)
+            raise
+        if not claimed:
+            _untrash(trash, d, ref)
+            return None
+        swapped = time.perf_counter()
+        new_d, new_meta = self._meta(ref)
+        new_meta.baseline = dict(base)
+        want = ", ".join(str(lay.get("key")) for lay in base_layers if isinstance(lay, dict))
+        lower_check = await anyio.to_thread.run_sync(self._check_lowers, list(new_meta.layers))
+        lower_check["expected"] = want
+        lower_check["ok"] = lower_check["actual"] == want
+        expected_upper = base.get("upper")
+        state_checks, upper_digest = await self._check_running(
+            new_d, new_meta, expected_upper if isinstance(expected_upper, str) else None
+        )
+        report = _report("baseline", [lower_check, *state_checks], started)
+        report["reset_ms"] = round((swapped - started) * 1000, 2)
+        report["boot_ms"] = 0.0
+        report["via"] = "pool"
+        new_meta.pristine = {"target": "baseline", "upper": upper_digest, "at": time.time()}
+        new_meta.save(new_d / "meta.json")
+        self._retire(trash)
+        if self._refill is None:
+            await self._destroy_trash(trash)
+        return report
+
+    def _retire(self, trash: Path) -> None:
+        self._retiring.add(trash.name)
+        if self._refill is not None:
+            self._refill.start_soon(self._destroy_trash, trash)
+
+    async def _destroy_trash(self, trash: Path) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._destroy_dir(trash)
+        finally:
+            self._retiring.discard(trash.name)
+
+    async def _empty_trash(self) -> None:
+        """Destroy sandboxes a reset swapped out and nobody destroyed (a crash, no refiller)."""
+        tdir = self.state_dir / ".trash"
+        if not tdir.is_dir():
+            return
+        for entry in list(tdir.iterdir()):
+            if entry.name not in self._retiring:
+                await self._destroy_dir(entry)
 
     async def verify(self, ref: str) -> dict[str, JsonValue]:
         """Check that a running sandbox is still as its last reset (or its create) left it.
@@ -1728,7 +1842,10 @@ class LocalBackend:
         for meta_path in self.state_dir.glob("*/meta.json"):
             with contextlib.suppress(OSError, ValueError, TypeError):
                 used.update(str(lay["path"]) for lay in _Meta.load(meta_path).layers)
-        for meta_path in (self.state_dir / ".pool").glob("*/*/meta.json"):
+        for meta_path in [
+            *(self.state_dir / ".pool").glob("*/*/meta.json"),
+            *(self.state_dir / ".trash").glob("*/meta.json"),
+        ]:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 used.update(str(lay["path"]) for lay in _Meta.load(meta_path).layers)
         for manifest in (self.state_dir / ".snapshots").glob("*/manifest.json"):
@@ -2007,6 +2124,7 @@ class LocalBackend:
         for ch in ready:
             with contextlib.suppress(Exception):
                 await ch.close()
+        await self._empty_trash()
         self._userns.close()
         for rt in self._runtimes.values():
             rt.close()
@@ -2022,10 +2140,43 @@ class LocalBackend:
         if any((p / "meta.json").is_file() for p in self.state_dir.iterdir()):
             return
         shutil.rmtree(run, ignore_errors=True)
+        self._remove_tag_cgroups()
 
 
 def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@contextlib.contextmanager
+def _lone_error() -> Iterator[None]:
+    """Let a task group's failure out as the exception it is, not as an exception group.
+
+    The steps run side by side inside ``_boot`` raise sandlot errors that callers handle by
+    type (``BackendError``, ``SandboxTimeout``); anyio wraps them in a group.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
+            leaf = leaf.exceptions[0]
+        raise leaf from group
+
+
+def _move_aside(meta: _Meta, d: Path, trash: Path) -> None:
+    meta.sandbox_id = trash.name
+    meta.save(d / "meta.json")
+    d.rename(trash)
+
+
+def _untrash(trash: Path, d: Path, ref: str) -> None:
+    """Undo :func:`_move_aside` (no pooled sandbox could be claimed after all)."""
+    if d.exists() or not trash.exists():
+        return
+    trash.rename(d)
+    meta = _Meta.load(d / "meta.json")
+    meta.sandbox_id = ref
+    meta.save(d / "meta.json")
 
 
 def _remove_trees(paths: list[Path]) -> None:

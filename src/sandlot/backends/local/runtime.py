@@ -394,9 +394,14 @@ class Runtime:
             name, bundle, listen_fd=listen_fd is not None, pid_file=pid_file, network=network
         )
         exe = self._exe()
-        rc, out = await anyio.to_thread.run_sync(
-            lambda: _spawn_wait(argv, fd3=listen_fd, log=log, exe=exe)
-        )
+        for attempt in range(2):
+            rc, out = await anyio.to_thread.run_sync(
+                lambda: _spawn_wait(argv, fd3=listen_fd, log=log, exe=exe)
+            )
+            # Another process may remove an empty parent cgroup just as the runtime makes
+            # its directory below it (the runtime makes them one level at a time): once more.
+            if rc == 0 or attempt or not ("cgroup" in out and "No such file" in out):
+                break
         if rc != 0:
             msg = f"{self.name} could not start sandbox {name}: {out or f'exit {rc}'}"
             raise BackendError(msg)
