@@ -25,9 +25,9 @@ import contextlib
 import functools
 import hashlib
 import json
-import os
+import logging
 import secrets
-import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +54,15 @@ from sandlot.errors import (
     error_from_code,
 )
 from sandlot.gate.gate import SYSTEM
-from sandlot.journal import LEASED_STATES, Intent, IntentState, Journal, Lease, owner_alive
+from sandlot.journal import (
+    LEASED_STATES,
+    Intent,
+    IntentState,
+    Journal,
+    Lease,
+    owner_alive,
+    process_owner,
+)
 from sandlot.models import (
     LOCAL_ACTOR,
     Actor,
@@ -90,9 +98,11 @@ __all__ = ["Manager", "ReconcileReport", "command_argv"]
 
 S = SandboxStatus
 T = TypeVar("T")
+_log = logging.getLogger("sandlot")
 RECENT = 1.0
 """Seconds a record this process just read or wrote may stand in for a read on the hot path
 (while its channel is open, which is the stronger sign the sandbox still runs)."""
+_RECENT_MAX = 4096
 TOUCH_EVERY = 1.0
 """Activity is written at most this often per sandbox (idle timeouts are far coarser)."""
 LAST_LINES = 20
@@ -138,6 +148,35 @@ class _Outcome:
         self.result: JsonValue = None
         """The durable result a replay of the same key returns."""
         self.final_state: str = "RESULT_RECORDED"
+
+
+class _LeaseKeeper:
+    """Renews an operation's journal lease from a thread while the operation runs.
+
+    A thread, not a task: the operation's own cancel scopes must not be able to stop the
+    heartbeat early, and the renewal is a short blocking database write.
+    """
+
+    def __init__(self, journal: Journal, outcome: _Outcome) -> None:
+        self._journal = journal
+        self._outcome = outcome
+        self._interval = journal.lease_seconds / 3
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sandlot-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            lease = self._outcome.lease
+            if lease is None or lease.expires_at is None:
+                continue
+            # A transition racing with the renewal makes one of them see a stale state; the
+            # next beat uses the new lease.
+            with contextlib.suppress(SandboxError):
+                self._journal.renew(lease)
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 @dataclass(frozen=True)
@@ -199,18 +238,35 @@ class Manager:
         self.create_timeout = create_timeout
         self.gate = gate
         self.journal = journal
-        self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        # Who drives a transition: this process (an identity that survives PID reuse) and a
+        # nonce telling Managers of one process apart.
+        self.instance = f"{process_owner()}/{secrets.token_hex(3)}"
+        self._driving: set[str] = set()
+        """Sandboxes whose transition this Manager is driving right now."""
         self._channels: dict[str, tuple[str, Channel]] = {}
         self._used: dict[str, Backend] = {}
         self._recent: dict[str, tuple[SandboxInfo, float]] = {}
+        self._busy: dict[str, int] = {}
+        """Operations in flight per sandbox in this process (the idle reaper leaves them be)."""
 
     # -- records ----------------------------------------------------------------------------
 
     async def get(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
         """One sandbox's record (``NotFound`` names the id)."""
         sb = await self.store.get(sandbox_id, tenant=None if actor.admin else actor.tenant)
-        self._recent[sb.id] = (sb, time.monotonic())
+        self._remember(sb)
         return sb
+
+    def _remember(self, sb: SandboxInfo) -> None:
+        """Keep a record just read or written for the hot path (see :meth:`_current`)."""
+        now = time.monotonic()
+        if len(self._recent) > _RECENT_MAX:
+            # A long-lived server sees many sandboxes: forget what aged out.
+            self._recent = {k: v for k, v in self._recent.items() if now - v[1] < RECENT}
+        if sb.status is S.DESTROYED:
+            self._recent.pop(sb.id, None)
+        else:
+            self._recent[sb.id] = (sb, now)
 
     async def _current(self, sandbox_id: str, actor: Actor) -> SandboxInfo:
         """The record for a hot-path operation: the one this process saw within
@@ -289,6 +345,27 @@ class Manager:
         and the body's result (or its error) is recorded for replays.
         """
         outcome = _Outcome()
+        # While it runs the sandbox is busy: the idle reaper of this process leaves it be.
+        busy = target.sandbox_id if isinstance(target, Resource) else target.id
+        self._busy[busy] = self._busy.get(busy, 0) + 1
+        try:
+            async with self._gated_body(actor, action, target, intent, args, outcome) as done:
+                yield done
+        finally:
+            self._busy[busy] -= 1
+            if not self._busy[busy]:
+                del self._busy[busy]
+
+    @contextlib.asynccontextmanager
+    async def _gated_body(
+        self,
+        actor: Actor,
+        action: str,
+        target: SandboxInfo | Resource,
+        intent: Intent | None,
+        args: Mapping[str, object],
+        outcome: _Outcome,
+    ) -> AsyncIterator[_Outcome]:
         auth = None
         if self.gate is not None:
             resource = target if isinstance(target, Resource) else Resource.of(target)
@@ -309,11 +386,25 @@ class Manager:
                         reason=e.reason_code,
                     )
                 raise
+        keeper = None
         if intent is not None:
             decision = auth.receipt.entry_hash if auth else f"ungated:{intent.intent_id}"
-            outcome.lease = await self._jr(
-                self._journal().authorize, intent.intent_id, decision=decision
-            )
+            try:
+                outcome.lease = await self._jr(
+                    self._journal().authorize, intent.intent_id, decision=decision
+                )
+            except Conflict:
+                # Another call with the same key was authorized first and runs it; this
+                # decision authorized nothing, and its receipt says so.
+                if auth is not None:
+                    await self._complete(auth, outcome, error="superseded by another call")
+                msg = (
+                    f"another call with idempotency key {intent.idempotency_key!r} is running "
+                    "this operation; repeat the call to get its outcome"
+                )
+                raise Conflict(msg, intent_id=intent.intent_id) from None
+            # A long operation keeps its lease, so nobody takes it for dead.
+            keeper = _LeaseKeeper(self._journal(), outcome)
         try:
             yield outcome
         except GeneratorExit:
@@ -331,9 +422,26 @@ class Manager:
                 if auth is not None:
                     await self._complete(auth, outcome, error=f"{type(e).__name__}: {e}")
                 if outcome.lease is not None:
+                    recorded: BaseException = e
+                    if (
+                        not isinstance(e, SandboxError)
+                        and outcome.lease.state is IntentState.RUNNING
+                    ):
+                        # Interrupted while the command ran: whether it finished is unknown,
+                        # and a replay must say so rather than run it again.
+                        recorded = BackendUnavailable(
+                            f"interrupted ({type(e).__name__}) while running; its outcome is "
+                            "unknown and it was not run again",
+                            outcome="unknown",
+                        )
                     with contextlib.suppress(SandboxError):
-                        await self._jr(self._journal().fail, outcome.lease, error=_encode_error(e))
+                        await self._jr(
+                            self._journal().fail, outcome.lease, error=_encode_error(recorded)
+                        )
             raise
+        finally:
+            if keeper is not None:
+                keeper.stop()
         if auth is not None:
             await self._complete(auth, outcome)
         if outcome.lease is not None:
@@ -424,7 +532,11 @@ class Manager:
             try:
                 done[intent.intent_id] = await self._recover_intent(intent)
             except Conflict:
-                continue
+                continue  # another process took it over, or its worker is still alive
+            except SandboxError as e:
+                # One intent that cannot be settled must not stop the others (or start-up).
+                _log.warning("could not recover intent %s: %s", intent.intent_id, e)
+                done[intent.intent_id] = f"error: {e}"
         return done
 
     async def _recover_intent(self, intent: Intent) -> str:
@@ -484,6 +596,9 @@ class Manager:
         made again), so destroying it later releases the allocation.
         """
         journal = self._journal()
+        if sb.status.transitional and not self._abandoned(sb):
+            msg = f"sandbox {sb.id} is still being driven by {sb.transition_owner}"
+            raise Conflict(msg, id=sb.id)
         if sb.status.transitional:
             try:
                 sb = await self._settle(sb)
@@ -583,7 +698,10 @@ class Manager:
         sandbox_id = "sb-" + begun.intent_id.split(":")[-1][:12] if begun else new_id("sb")
         target = Resource.for_spec(sandbox_id, spec, backend=name, tenant=actor.tenant)
         async with self._gated(actor, "sandbox.create", target, intent=begun, spec=spec) as outcome:
-            info = await self._create(sandbox_id, name, impl, spec, actor, on_setup_output, outcome)
+            info = await self._drive(
+                [sandbox_id],
+                self._create(sandbox_id, name, impl, spec, actor, on_setup_output, outcome),
+            )
             outcome.result = {"sandbox_id": info.id}
             return info
 
@@ -669,7 +787,8 @@ class Manager:
             await self._fail(sb, "backend_error", str(e), tail.lines())
             raise
         for port in spec.ports:
-            sb = await self._expose(sb, port)
+            async with self._gated(actor, "port.expose", sb, port=port):
+                sb = await self._expose(sb, port)
         return sb
 
     def _check_capabilities(self, impl: Backend, spec: SandboxSpec) -> None:
@@ -981,6 +1100,9 @@ class Manager:
             return await self._stop(sb, "stopped", "stopped by request")
 
     async def _stop(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
+        return await self._drive([sb.id], self._stop_body(sb, cause, message))
+
+    async def _stop_body(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
         sb = await self._settled(sb)
         if sb.status in (S.STOPPED, S.FAILED):
             return sb
@@ -1025,6 +1147,9 @@ class Manager:
             return await self._do_resume(sb, actor)
 
     async def _do_resume(self, sb: SandboxInfo, actor: Actor) -> SandboxInfo:
+        return await self._drive([sb.id], self._resume_body(sb, actor))
+
+    async def _resume_body(self, sb: SandboxInfo, actor: Actor) -> SandboxInfo:
         impl = self._backend(sb.backend)
         await self._drop_channel(sb.id)
         try:
@@ -1084,6 +1209,9 @@ class Manager:
             return info
 
     async def _destroy(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
+        return await self._drive([sb.id], self._destroy_body(sb, cause, message))
+
+    async def _destroy_body(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
         while True:
             if sb.status is S.DESTROYED:
                 return sb
@@ -1218,7 +1346,7 @@ class Manager:
         """Put a sandbox back to a snapshot's state (its main process is relaunched)."""
         sb = await self.get(sandbox_id, actor=actor)
         async with self._gated(actor, "restore", sb, snapshot_id=snapshot_id):
-            return await self._restore(sb, snapshot_id, actor)
+            return await self._drive([sb.id], self._restore(sb, snapshot_id, actor))
 
     async def _restore(self, sb: SandboxInfo, snapshot_id: str, actor: Actor) -> SandboxInfo:
         sb = await self._settled(sb)
@@ -1311,6 +1439,18 @@ class Manager:
         ]
         for r in records:
             await self.store.insert(r)
+        return await self._drive(
+            [r.id for r in records], self._fork_body(snap, impl, records, spec, actor)
+        )
+
+    async def _fork_body(
+        self,
+        snap: SnapshotInfo,
+        impl: Backend,
+        records: builtins.list[SandboxInfo],
+        spec: SandboxSpec,
+        actor: Actor,
+    ) -> builtins.list[SandboxInfo]:
         try:
             refs = await impl.fork(_snapshot_ref(snap), [r.id for r in records], spec)
         except SandboxError as e:
@@ -1616,33 +1756,43 @@ class Manager:
                     msg = f"snapshot {snap.id} is from backend {snap.backend}, sandbox is on {sb.backend}"
                     raise InvalidRequest(msg)
             sb = await self._settled(sb)
-            sb = await self._begin(sb, {S.RUNNING, S.STOPPED, S.FAILED}, S.RESUMING)
-            await self._drop_channel(sb.id)
-            assert sb.backend_ref is not None
-            try:
-                report = await impl.reset(
-                    sb.backend_ref, None if snap is None else _snapshot_ref(snap), sb.spec
-                )
-            except VerificationFailed as e:
-                await self._fail(sb, "verification", e.message)
-                current = await self.store.get(sb.id)
-                await self._cas(current, metadata={**current.metadata, "verification": e.details})
-                raise
-            except SandboxError as e:
-                await self._fail(sb, "backend_error", f"reset failed: {e}")
-                raise
-            outcome.detail = {"verification": report}
-            command = sb.spec.resume_command()
-            if command is not None:
-                await self._launch_main(sb, actor, await self._channel(sb), command)
-            return await self._cas(
-                sb,
-                status=S.RUNNING,
-                transition_owner=None,
-                transition_deadline=None,
-                error=None,
-                metadata={**sb.metadata, "verification": report},
+            return await self._drive([sb.id], self._reset_body(sb, impl, snap, actor, outcome))
+
+    async def _reset_body(
+        self,
+        sb: SandboxInfo,
+        impl: Backend,
+        snap: SnapshotInfo | None,
+        actor: Actor,
+        outcome: _Outcome,
+    ) -> SandboxInfo:
+        sb = await self._begin(sb, {S.RUNNING, S.STOPPED, S.FAILED}, S.RESUMING)
+        await self._drop_channel(sb.id)
+        assert sb.backend_ref is not None
+        try:
+            report = await impl.reset(
+                sb.backend_ref, None if snap is None else _snapshot_ref(snap), sb.spec
             )
+        except VerificationFailed as e:
+            await self._fail(sb, "verification", e.message)
+            current = await self.store.get(sb.id)
+            await self._cas(current, metadata={**current.metadata, "verification": e.details})
+            raise
+        except SandboxError as e:
+            await self._fail(sb, "backend_error", f"reset failed: {e}")
+            raise
+        outcome.detail = {"verification": report}
+        command = sb.spec.resume_command()
+        if command is not None:
+            await self._launch_main(sb, actor, await self._channel(sb), command)
+        return await self._cas(
+            sb,
+            status=S.RUNNING,
+            transition_owner=None,
+            transition_deadline=None,
+            error=None,
+            metadata={**sb.metadata, "verification": report},
+        )
 
     # -- network --------------------------------------------------------------------------------
 
@@ -1780,16 +1930,23 @@ class Manager:
             cause = None
             if sb.expires_at is not None and sb.expires_at <= now:
                 cause, message = "ttl", f"time to live ran out at {sb.expires_at.isoformat()}"
-            elif sb.spec.idle_timeout is not None and (
-                sb.last_active_at + timedelta(seconds=sb.spec.idle_timeout) <= now
+            elif (
+                sb.spec.idle_timeout is not None
+                and sb.last_active_at + timedelta(seconds=sb.spec.idle_timeout) <= now
+                and sb.id not in self._busy
             ):
                 cause, message = "idle", f"idle for more than {sb.spec.idle_timeout:g}s"
             if cause is None:
                 continue
-            with contextlib.suppress(Conflict, InvalidState):
+            try:
                 async with self._gated(SYSTEM, "stop", sb, reason=cause):
                     await self._stop(sb, cause, message)
                 stopped.append(sb.id)
+            except (Conflict, InvalidState):
+                continue  # changed meanwhile: the next sweep sees its new state
+            except SandboxError as e:
+                # One sandbox the backend cannot stop must not keep the others running.
+                _log.warning("could not stop expired sandbox %s: %s", sb.id, e)
         return stopped
 
     async def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
@@ -1851,20 +2008,55 @@ class Manager:
                 await self.store.get(sandbox_id)
             except NotFound:
                 orphan = Resource(sandbox_id=sandbox_id, backend=name)
-                async with self._gated(SYSTEM, "destroy", orphan, reason="orphan"):
-                    await impl.destroy(ref)
+                try:
+                    async with self._gated(SYSTEM, "destroy", orphan, reason="orphan"):
+                        await impl.destroy(ref)
+                except SandboxError as e:
+                    report.errors[sandbox_id] = f"could not reap orphan: {e}"
+                    continue
                 report.reaped.append(sandbox_id)
 
     def _abandoned(self, sb: SandboxInfo) -> bool:
-        if sb.transition_owner == self.instance:
-            return False
+        """Whether a transition in flight has nobody driving it any more."""
         if sb.transition_deadline is not None and sb.transition_deadline <= utcnow():
             return True
-        host, _, rest = (sb.transition_owner or "").partition(":")
-        pid_text = rest.partition(":")[0]
-        if host == socket.gethostname() and pid_text.isdigit():
-            return not _pid_alive(int(pid_text))
-        return sb.transition_owner is None
+        if sb.transition_owner is None:
+            return True
+        if sb.transition_owner == self.instance:
+            # Ours: live while the call driving it runs (an interrupted one let go of it).
+            return sb.id not in self._driving
+        return not owner_alive(sb.transition_owner.partition("/")[0])
+
+    async def _drive(self, ids: Sequence[str], work: Awaitable[T]) -> T:
+        """Run a transition of these sandboxes; if it is interrupted by anything (a cancelled
+        caller, a bug, an error of a user's callback), the sandboxes it left in flight are
+        failed rather than left transitional."""
+        own = [i for i in ids if i not in self._driving]
+        self._driving.update(own)
+        try:
+            return await work
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                for sandbox_id in own:
+                    await self._fail_interrupted(sandbox_id, e)
+            raise
+        finally:
+            self._driving.difference_update(own)
+
+    async def _fail_interrupted(self, sandbox_id: str, error: BaseException) -> None:
+        with contextlib.suppress(SandboxError):
+            current = await self.store.get(sandbox_id)
+            if (
+                current.status.transitional
+                and current.status is not S.DESTROYING
+                and current.transition_owner == self.instance
+            ):
+                why = (
+                    "interrupted (the call driving it was cancelled)"
+                    if isinstance(error, anyio.get_cancelled_exc_class())
+                    else f"interrupted by {type(error).__name__}: {error}"
+                )
+                await self._fail(current, "interrupted", f"{current.status} {why}")
 
     async def _settle(self, sb: SandboxInfo) -> SandboxInfo:
         """Finish or fail a transition whose driver died."""
@@ -1928,7 +2120,7 @@ class Manager:
 
     async def _cas(self, sb: SandboxInfo, **patch: object) -> SandboxInfo:
         new = await self.store.update(sb.id, sb.version, patch)
-        self._recent[new.id] = (new, time.monotonic())
+        self._remember(new)
         return new
 
     async def _begin(
@@ -2005,12 +2197,16 @@ class Manager:
                 if not auto_resume:
                     msg = f"sandbox {sb.id} is stopped (auto_resume is off)"
                     raise InvalidState(msg, id=sb.id)
-                try:
-                    sb = await self._begin(sb, {S.STOPPED}, S.RESUMING)
-                except Conflict:
-                    sb = await self.store.get(sb.id)
-                    continue
-                return await self._do_resume(sb, actor)
+                # An implied resume is decided like an explicit one: a policy that forbids
+                # resuming is not bypassed by running a command.
+                async with self._gated(actor, "resume", sb) as outcome:
+                    try:
+                        sb = await self._begin(sb, {S.STOPPED}, S.RESUMING)
+                    except Conflict:
+                        outcome.detail["resumed_by_another"] = True
+                        sb = await self.store.get(sb.id)
+                        continue
+                    return await self._do_resume(sb, actor)
             reason = f": {sb.death.cause} ({sb.death.message})" if sb.death else ""
             msg = f"sandbox {sb.id} is {sb.status}{reason}"
             raise InvalidState(msg, id=sb.id, status=sb.status.value)
@@ -2135,13 +2331,3 @@ def _check_path(path: str) -> None:
     if "\x00" in path:
         msg = "path must not contain NUL bytes"
         raise InvalidRequest(msg)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

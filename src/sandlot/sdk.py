@@ -438,10 +438,14 @@ class AsyncSandlot:
 
     async def aclose(self) -> None:
         """Close connections (sandboxes keep running); sign a checkpoint of new receipts."""
-        await self.manager.flush_receipts()
-        await anyio.to_thread.run_sync(self._final_checkpoint)
-        await self.manager.aclose()
-        self.receipts.close()
+        try:
+            await self.manager.flush_receipts()
+            await anyio.to_thread.run_sync(self._final_checkpoint)
+        finally:
+            try:
+                await self.manager.aclose()
+            finally:
+                self.receipts.close()
 
     def _final_checkpoint(self) -> None:
         # checkpoint() returns the last one unchanged when nothing was appended since. A

@@ -12,6 +12,7 @@ from sqlalchemy import text
 
 from sandlot import PolicyDenied, SandboxError
 from sandlot.manager import Manager
+from sandlot.models import Actor
 from sandlot.receipts import Receipt, verify_log
 from sandlot.sdk import AsyncSandlot
 from sandlot.testing import FakeBackend
@@ -195,6 +196,8 @@ async def test_setup_and_start_commands_are_gated_one_by_one(home: Path, tmp_pat
         assert fake.calls_for(sb.id, "start_process") == []
 
 
+HUMAN = Actor(principal="operator:alice")
+
 HOLD_EXEC = (
     'permit (principal, action, resource) unless { action == Action::"exec" };\n'
     '@hold("may this agent run it?")\npermit (principal, action == Action::"exec", resource);\n'
@@ -206,7 +209,7 @@ async def test_hold_waits_for_approval_from_another_client(home: Path, tmp_path:
     policy = _policy(tmp_path, "h.cedar", HOLD_EXEC)
     async with (
         AsyncSandlot(home, backends={"fake": fake}, policy=policy) as agent,
-        AsyncSandlot(home, backends={"fake": fake}, policy=policy) as human,
+        AsyncSandlot(home, backends={"fake": fake}, policy=policy, actor=HUMAN) as human,
     ):
         sb = await agent.create()
         results: list[str] = []
@@ -255,16 +258,17 @@ async def test_hold_denied_and_hold_timeout(home: Path, tmp_path: Path) -> None:
         assert info.value.reason_code == "HOLD_TIMEOUT"
         (expired,) = await client.list_approvals(status="expired")
         assert expired.decided_by == "system:gate"
-    async with AsyncSandlot(
-        home, backends={"fake": fake}, policy=policy, hold_timeout=10
-    ) as client:
+    async with (
+        AsyncSandlot(home, backends={"fake": fake}, policy=policy, hold_timeout=10) as client,
+        AsyncSandlot(home, backends={"fake": fake}, policy=policy, actor=HUMAN) as human,
+    ):
         sb = await client.get(sb.id)
 
         async def refuse() -> None:
             with anyio.fail_after(10):
-                while not (pending := await client.list_approvals()):
+                while not (pending := await human.list_approvals()):
                     await anyio.sleep(0.02)
-            await client.deny(pending[0].id)
+            await human.deny(pending[0].id)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(refuse)
@@ -301,3 +305,27 @@ async def test_on_receipt_and_explain(home: Path, fake: FakeBackend) -> None:
         assert "DENY" in explanation.render()
         await client.manager.flush_receipts()
         assert len(seen) == count, "explain records nothing"
+
+
+async def test_an_agent_cannot_approve_its_own_hold(home: Path, tmp_path: Path) -> None:
+    fake = FakeBackend()
+    policy = _policy(tmp_path, "h.cedar", HOLD_EXEC)
+    async with AsyncSandlot(home, backends={"fake": fake}, policy=policy, hold_timeout=10) as agent:
+        sb = await agent.create()
+
+        async def self_approve() -> None:
+            with anyio.fail_after(10):
+                while not (pending := await agent.list_approvals()):
+                    await anyio.sleep(0.02)
+            with pytest.raises(PolicyDenied) as info:
+                await agent.approve(pending[0].id)
+            assert info.value.reason_code == "SELF_APPROVAL"
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self_approve)
+            await sb.exec(["echo", "pwned"])
+        # The cancelled request was closed, and can no longer be approved by anyone.
+        (closed,) = await agent.list_approvals(status="expired")
+        assert closed.decided_by == "system:gate"
+    assert fake.calls_for(sb.id, "exec") == []

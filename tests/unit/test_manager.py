@@ -336,6 +336,12 @@ async def test_reconcile_when_backend_cannot_answer_changes_nothing(
     assert (await aclient.get(sb.id)).info.status is S.RUNNING
 
 
+def _ticks(pid: int) -> str:
+    from sandlot.journal.owner import _start_ticks
+
+    return _start_ticks(pid) or "?"
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -399,7 +405,8 @@ async def test_transition_in_flight_by_live_owner_is_waited_for(
         info.version,
         {
             "status": S.RESUMING,
-            "transition_owner": f"{os.uname().nodename}:{os.getppid()}:live",
+            # A live process (our parent) drives it.
+            "transition_owner": f"{os.uname().nodename}:{os.getppid()}:{_ticks(os.getppid())}/x",
             "transition_deadline": utcnow() + timedelta(minutes=5),
         },
     )

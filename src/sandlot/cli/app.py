@@ -56,7 +56,7 @@ from sandlot.cli.spec import (
     spec_from_options,
 )
 from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
-from sandlot.models import OutputChunk, SandboxInfo, SandboxStatus
+from sandlot.models import LOCAL_ACTOR, Actor, OutputChunk, SandboxInfo, SandboxStatus
 from sandlot.sdk import AsyncSandlot
 
 __all__ = ["app", "main"]
@@ -164,8 +164,13 @@ def _fail(error: SandboxError, as_json: bool) -> NoReturn:
     raise typer.Exit(1)
 
 
-def _run(as_json: bool, body: Callable[[AsyncSandlot], Awaitable[T]]) -> T:
-    """Run ``body`` with a client, turning sandlot errors into one line and exit code 1."""
+def _run(
+    as_json: bool, body: Callable[[AsyncSandlot], Awaitable[T]], *, actor: Actor | None = None
+) -> T:
+    """Run ``body`` with a client, turning sandlot errors into one line and exit code 1.
+
+    ``actor`` overrides who the embedded client acts as (a server decides that from the key).
+    """
 
     async def main() -> T:
         if os.environ.get("SANDLOT_URL"):
@@ -174,7 +179,9 @@ def _run(as_json: bool, body: Callable[[AsyncSandlot], Awaitable[T]]) -> T:
             # The HTTP client offers AsyncSandlot's surface method for method (a test checks).
             async with AsyncClient(os.environ["SANDLOT_URL"]) as remote:
                 return await body(cast("AsyncSandlot", remote))
-        async with AsyncSandlot(_settings.home, _settings.backend, _settings.database) as client:
+        async with AsyncSandlot(
+            _settings.home, _settings.backend, _settings.database, actor=actor or LOCAL_ACTOR
+        ) as client:
             return await body(client)
 
     try:

@@ -7,6 +7,7 @@ others read the receipt log in the database next to the sandbox records.
 
 from __future__ import annotations
 
+import getpass
 import json
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import typer
 from sandlot.cli.app import JsonOpt, _print_json, _run, _settings, app, err, out
 from sandlot.errors import InvalidRequest, SandboxError
 from sandlot.journal import Journal, process_owner
+from sandlot.models import Actor
 from sandlot.receipts import (
     KeyStore,
     ReceiptLog,
@@ -289,11 +291,17 @@ def approvals_list(
         out.print(f"    [yellow]{d['question']}[/yellow]")
 
 
+def _operator() -> Actor:
+    """Who answers from this terminal: an operator, never the agent that asked (an agent
+    cannot approve its own held operation)."""
+    return Actor(principal=f"operator:{getpass.getuser()}")
+
+
 def _answer(approval_id: str, allow: bool, as_json: bool) -> None:
     async def body(client: AsyncSandlot) -> object:
         return await (client.approve(approval_id) if allow else client.deny(approval_id))
 
-    result = _run(as_json, body)
+    result = _run(as_json, body, actor=_operator())
     d = result.to_dict()  # type: ignore[attr-defined]
     if as_json:
         _print_json(d)

@@ -15,6 +15,7 @@ backends or front ends.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import queue
@@ -120,6 +121,25 @@ class _ReceiptWriter:
         if self._thread is not None:
             self._queue.join()
 
+    def _write(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        try:
+            self._log.append_many(entries)
+        except Exception:
+            # One at a time, so only the entry that cannot be written is lost. The operations
+            # already ran: a lost execution receipt is reported, never silent (their decision
+            # receipts are in the log).
+            for entry in entries:
+                try:
+                    self._log.append(entry)
+                except Exception as e:
+                    logging.getLogger("sandlot").error(
+                        "could not write the execution receipt of %s: %s", entry.decision_ref, e
+                    )
+        with contextlib.suppress(Exception):
+            self._log.maybe_checkpoint()
+
     def close(self) -> None:
         with self._lock:
             thread, self._thread = self._thread, None
@@ -141,15 +161,7 @@ class _ReceiptWriter:
                     break
             entries = [e for e in batch if e is not None]
             try:
-                if entries:
-                    self._log.append_many(entries)
-                    self._log.maybe_checkpoint()
-            except SandboxError as e:
-                # The operations already ran; losing their execution receipts is reported,
-                # never silent (their decision receipts are in the log).
-                logging.getLogger("sandlot").error(
-                    "could not write %d execution receipts: %s", len(entries), e
-                )
+                self._write(entries)
             finally:
                 for _ in batch:
                     self._queue.task_done()
@@ -338,29 +350,27 @@ class Gate:
         }
         await self._db(lambda conn: conn.execute(insert(approvals).values(**row)))
         delay = 0.02
-        while time.time() < now + self.hold_timeout:
-            await anyio.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-            answer = await self._answer_receipt(hold)
-            if answer is not None:
-                return self._accept(answer, decision)
+        try:
+            while time.time() < now + self.hold_timeout:
+                await anyio.sleep(delay)
+                delay = min(delay * 1.5, 0.5)
+                answer = await self._answer_receipt(hold)
+                if answer is not None:
+                    return self._accept(answer, decision)
+        except anyio.get_cancelled_exc_class():
+            # The caller went away (cancelled): nobody would run an approval given now, so
+            # the request is closed as expired rather than left pending.
+            with anyio.CancelScope(shield=True), contextlib.suppress(Conflict, SandboxError):
+                await self._expire(approval_id, hold, reason_code="HOLD_ABANDONED")
+            raise
         # Nobody answered in time: the gate answers DENY itself. If an approver got there in
         # the same instant, the log refuses our answer (a HOLD is answered once) and theirs holds.
         try:
-            timeout = await anyio.to_thread.run_sync(
-                self.log.append,
-                approval_entry(
-                    hold,
-                    decision=ReceiptDecision.DENY,
-                    principal="system:gate",
-                    reason_code="HOLD_TIMEOUT",
-                ),
-            )
+            timeout = await self._expire(approval_id, hold, reason_code="HOLD_TIMEOUT")
         except Conflict:
             answer = await self._answer_receipt(hold)
             assert answer is not None
             return self._accept(answer, decision)
-        await self._settle_row(approval_id, "expired", "system:gate", timeout.seq)
         self._deny(
             PolicyDenied(
                 f"no answer to the approval request within {self.hold_timeout:g}s ({question})",
@@ -369,6 +379,20 @@ class Gate:
             )
         )
         raise AssertionError  # pragma: no cover
+
+    async def _expire(self, approval_id: str, hold: Receipt, *, reason_code: str) -> Receipt:
+        """Answer a HOLD with the gate's own DENY and close its approval request."""
+        denial = await anyio.to_thread.run_sync(
+            self.log.append,
+            approval_entry(
+                hold,
+                decision=ReceiptDecision.DENY,
+                principal="system:gate",
+                reason_code=reason_code,
+            ),
+        )
+        await self._settle_row(approval_id, "expired", "system:gate", denial.seq)
+        return denial
 
     def _accept(self, answer: Receipt, decision: Decision) -> Receipt:
         if answer.decision is ReceiptDecision.ALLOW:
@@ -404,9 +428,14 @@ class Gate:
             Conflict: It was answered already, or expired.
         """
         current = await self.get_approval(approval_id, actor)
-        if current.status != "pending":
-            msg = f"approval {approval_id} is {current.status} already"
+        if current.status != "pending" or current.expires_at <= time.time():
+            status = current.status if current.status != "pending" else "expired"
+            msg = f"approval {approval_id} is {status} already"
             raise Conflict(msg)
+        if current.principal == actor.principal and not actor.admin:
+            # The point of a HOLD is a second opinion: the one who asked cannot give it.
+            msg = f"{actor.principal} asked for this operation and cannot approve or deny it"
+            raise PolicyDenied(msg, reason_code="SELF_APPROVAL")
         hold = await anyio.to_thread.run_sync(self.log.get, current.hold_seq)
         entry = approval_entry(
             hold,
