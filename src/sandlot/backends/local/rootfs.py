@@ -34,7 +34,7 @@ from pathlib import Path
 
 from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest
 
-__all__ = ["HOSTNAME", "Layer", "RootfsCache", "Storage"]
+__all__ = ["HOSTNAME", "Layer", "RootfsCache"]
 
 HOSTNAME = "sandbox"
 _SKELETON_VERSION = "1"
@@ -123,24 +123,6 @@ class Layer:
     """True for the default skeleton (the host's ``/usr`` goes on top of it)."""
 
 
-@dataclass(frozen=True)
-class Storage:
-    """How layers are stored for a rootless caller.
-
-    A rootful sandbox sees a layer through an id-mapped mount, so layers keep
-    container-relative owners; an unprivileged user can make no id-mapped mount, so for it a
-    layer keeps the *host* owners the sandbox's user namespace maps to (container root is the
-    caller), and whatever sets owners (unpacking an image) runs as root of such a namespace.
-    """
-
-    key: str
-    """Names the mapping; its layers live apart (``<cache>/local/<key>``)."""
-    wrap: tuple[str, ...]
-    """A command prefix that runs a program as root of a user namespace with the mapping."""
-    full: bool
-    """The mapping has the ids of a rootful sandbox (0..65535), not only root."""
-
-
 def _digest(*parts: str | bytes) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -152,18 +134,13 @@ def _digest(*parts: str | bytes) -> str:
 class RootfsCache:
     """Builds and finds layers under ``<cache>/local``."""
 
-    def __init__(
-        self, cache: Path, *, host_root: Path = Path("/"), storage: Storage | None = None
-    ) -> None:
+    def __init__(self, cache: Path, *, host_root: Path = Path("/")) -> None:
         """Args:
         cache: the shared cache directory (``sandlot.config.cache_dir()``).
         host_root: where the host's ``/etc`` and ``/usr`` are read from (tests use ``/``).
-        storage: how a rootless caller stores layers (None: rootful, container-relative).
         """
-        self.root = cache / "local" if storage is None else cache / "local" / storage.key
+        self.root = cache / "local"
         self.host_root = host_root
-        self.storage = storage
-        self._wrap: list[str] = list(storage.wrap) if storage is not None else []
         for sub in ("images", "skeletons", "tmp", "by-file"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._skeleton: Layer | None = None
@@ -236,10 +213,7 @@ class RootfsCache:
         ):
             (dest / name).mkdir(exist_ok=True)
             (dest / name).chmod(mode)
-        if self.storage is None:
-            os.chown(dest / "home" / "user", 1000, 1000)
-        elif self.storage.full:
-            _run([*self._wrap, "chown", "1000:1000", str(dest / "home" / "user")], "own /home/user")
+        os.chown(dest / "home" / "user", 1000, 1000)
         etc = dest / "etc"
         for top in self._host_etc_entries():
             rel = top.relative_to(host / "etc")
@@ -266,9 +240,7 @@ class RootfsCache:
             else:
                 path.write_text(text)
                 path.chmod(0o644)
-        if self.storage is None:
-            # A rootless caller's copies are its own already: root inside.
-            _canonical_owner(dest)
+        _canonical_owner(dest)
 
     # ------------------------------------------------------------------ images
 
@@ -311,7 +283,7 @@ class RootfsCache:
 
         def build(tmp: Path) -> None:
             tmp.rmdir()
-            _run([*self._wrap, "cp", "-a", "--reflink=auto", str(path), str(tmp)], f"copy {path}")
+            _run(["cp", "-a", "--reflink=auto", str(path), str(tmp)], f"copy {path}")
 
         if not dest.is_dir():
             self._publish(dest, build)
@@ -333,18 +305,12 @@ class RootfsCache:
         dest = self.root / "images" / key
         if not dest.is_dir():
             name = path.name
-            argv = [*self._wrap, "tar", "-x", "--numeric-owner", "-p", "-f", str(path)]
-            if self.storage is not None:
-                # No device node can be made in a user namespace, and a sandbox's /dev is a
-                # tmpfs of its own anyway; with one id there are no owners to keep.
-                argv += ["--exclude=./dev/*", "--exclude=dev/*"]
-                if not self.storage.full:
-                    argv.append("--no-same-owner")
+            argv = ["tar", "-x", "--numeric-owner", "-p", "-f", str(path)]
             if name.endswith((".tar.zst", ".tar.zstd", ".tzst")):
                 if shutil.which("zstd") is None:
                     msg = "unpacking a .tar.zst image needs zstd (Debian package zstd)"
                     raise BackendUnavailable(msg)
-                argv.insert(len(self._wrap) + 2, "--zstd")
+                argv.insert(2, "--zstd")
 
             def build(tmp: Path) -> None:
                 _run([*argv, "-C", str(tmp)], f"unpack {path}")
@@ -383,17 +349,8 @@ class RootfsCache:
             def build(tmp: Path) -> None:
                 bundle = tmp.parent / (tmp.name + ".bundle")
                 try:
-                    rootless = ["--rootless"] if self.storage and not self.storage.full else []
                     _run(
-                        [
-                            *self._wrap,
-                            "umoci",
-                            "unpack",
-                            *rootless,
-                            "--image",
-                            f"{layout}:{tag}",
-                            str(bundle),
-                        ],
+                        ["umoci", "unpack", "--image", f"{layout}:{tag}", str(bundle)],
                         f"unpack {ref}",
                     )
                     config = json.loads((bundle / "config.json").read_text())

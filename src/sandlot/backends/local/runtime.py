@@ -386,20 +386,14 @@ class Runtime:
         log: Path,
         pid_file: Path,
         network: bool = False,
-        wrapper: Sequence[str] | None = None,
     ) -> None:
         """Create and start ``name`` from ``bundle`` detached; its init gets ``listen_fd`` as 3
         and its host pid is written to ``pid_file``. ``network``: the bundle joins a prepared
-        network namespace whose interfaces the sandbox should use. ``wrapper``: a command that
-        sets the stage and then executes the runtime's command line given after ``--exe PATH
-        --`` (the rootless user-namespace helper)."""
+        network namespace whose interfaces the sandbox should use."""
         argv = self._run_argv(
             name, bundle, listen_fd=listen_fd is not None, pid_file=pid_file, network=network
         )
         exe = self._exe()
-        if wrapper is not None:
-            argv = [*wrapper, "--exe", exe or "", "--", *argv]
-            exe = None
         for attempt in range(2):
             rc, out = await anyio.to_thread.run_sync(
                 lambda: _spawn_wait(argv, fd3=listen_fd, log=log, exe=exe)
@@ -517,31 +511,19 @@ class Runtime:
 
 
 class Crun(Runtime):
-    """``crun``: namespaces, cgroups and seccomp applied by the host kernel.
-
-    ``rootless``: the caller is a normal user without delegated cgroups, so crun runs with its
-    cgroup manager disabled (it would otherwise fail making a cgroup, or, run as root of a user
-    namespace, believe it could).
-    """
+    """``crun``: namespaces, cgroups and seccomp applied by the host kernel."""
 
     name = "crun"
     binary = "crun"
     sealed = True
 
-    def __init__(self, root: Path, *, rootless: bool = False) -> None:
+    def __init__(self, root: Path) -> None:
         super().__init__(root)
-        self.rootless = rootless
         self._bpf: dict[str, str] = {}
-
-    def _base(self) -> list[str]:
-        base = super()._base()
-        if self.rootless:
-            base.insert(1, "--cgroup-manager=disabled")
-        return base
 
     def available(self) -> str | None:
         missing = super().available()
-        if missing is None and not self.rootless:
+        if missing is None:
             try:
                 ensure_hugetlb_hierarchy()
             except BackendUnavailable as e:
@@ -590,12 +572,10 @@ class Crun(Runtime):
             return not state_dir.exists()
         except (OSError, ValueError, KeyError, TypeError):
             return False
-        if (not cgroup and not self.rootless) or process_alive(pid, start):
+        if not cgroup or process_alive(pid, start):
             return False
         base = Path("/sys/fs/cgroup")
         roots = [base, *(p for p in base.iterdir() if p.is_dir() and not p.is_symlink())]
-        if not cgroup:
-            roots = []  # rootless: crun made no cgroup
         for root in roots:
             target = root / cgroup
             if not (target / "cgroup.procs").exists():
