@@ -8,9 +8,11 @@ nothing from sandlot.
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 from pathlib import Path
 
-__all__ = ["backend_dir", "cache_dir", "default_database_url", "home"]
+__all__ = ["backend_dir", "cache_dir", "default_database_url", "home", "receipt_log_id"]
 
 
 def home(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -54,3 +56,28 @@ def cache_dir() -> Path:
 def default_database_url(home_dir: Path) -> str:
     """``$SANDLOT_DATABASE_URL``, else the SQLite file in the home."""
     return os.environ.get("SANDLOT_DATABASE_URL") or f"sqlite:///{home_dir / 'sandlot.db'}"
+
+
+def receipt_log_id(home_dir: Path) -> str:
+    """The name of this home's receipt log, made on first use and kept in the home.
+
+    Each home signs with its own key, so each writes its own log: homes (and hosts) sharing one
+    database keep separate, independently verifiable chains instead of contending for one.
+    """
+    path = home_dir / "receipt-log-id"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    host = socket.gethostname().replace(" ", "-") or "host"
+    log_id = f"{host}.sandlot/{secrets.token_hex(4)}/receipts"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(log_id + "\n")
+    # Two processes starting at once: the first rename wins, and both read what won.
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -241,6 +242,8 @@ class Manager:
         # Who drives a transition: this process (an identity that survives PID reuse) and a
         # nonce telling Managers of one process apart.
         self.instance = f"{process_owner()}/{secrets.token_hex(3)}"
+        self.host = socket.gethostname()
+        """Sandboxes of host-local backends made here carry this host's name."""
         self._driving: set[str] = set()
         """Sandboxes whose transition this Manager is driving right now."""
         self._channels: dict[str, tuple[str, Channel]] = {}
@@ -727,6 +730,7 @@ class Manager:
         sb = SandboxInfo(
             id=sandbox_id,
             backend=name,
+            host=self.host if impl.capabilities().host_local else None,
             status=S.PROVISIONING,
             spec=spec,
             tenant=actor.tenant,
@@ -1423,6 +1427,7 @@ class Manager:
             SandboxInfo(
                 id=new_id("sb"),
                 backend=snap.backend,
+                host=self.host if impl.capabilities().host_local else None,
                 status=S.PROVISIONING,
                 spec=spec,
                 tenant=actor.tenant,
@@ -1914,7 +1919,11 @@ class Manager:
         """Turn the egress decisions of every running sandbox, logged since the last time, into
         ``network.egress`` receipts (the server does this periodically; stop and destroy do it
         for their sandbox). The number of sandboxes looked at."""
-        running = await self.store.list(SandboxQuery(statuses=frozenset({S.RUNNING})))
+        running = [
+            sb
+            for sb in await self.store.list(SandboxQuery(statuses=frozenset({S.RUNNING})))
+            if self._mine(sb)
+        ]
         for sb in running:
             with contextlib.suppress(SandboxError):
                 await self._drain_egress(sb)
@@ -1925,7 +1934,11 @@ class Manager:
         than ``idle_timeout`` (cause ``idle``); the ids stopped."""
         now = now or utcnow()
         stopped = []
-        running = await self.store.list(SandboxQuery(statuses=frozenset({S.RUNNING})))
+        running = [
+            sb
+            for sb in await self.store.list(SandboxQuery(statuses=frozenset({S.RUNNING})))
+            if self._mine(sb)
+        ]
         for sb in running:
             cause = None
             if sb.expires_at is not None and sb.expires_at <= now:
@@ -1954,7 +1967,8 @@ class Manager:
         (when ``ids`` is None) reap backend sandboxes that carry our mark but have no record."""
         report = ReconcileReport()
         if ids is None:
-            records = await self.store.list(SandboxQuery())
+            # Another host's sandboxes are its own Manager's to check.
+            records = [sb for sb in await self.store.list(SandboxQuery()) if self._mine(sb)]
         else:
             records = [await self.store.get(i) for i in ids]
         for sb in records:
@@ -2213,7 +2227,14 @@ class Manager:
         msg = f"sandbox {sandbox_id} did not settle"
         raise SandboxTimeout(msg)
 
+    def _mine(self, sb: SandboxInfo) -> bool:
+        """Whether this Manager can reach the sandbox (it is not on another host)."""
+        return sb.host is None or sb.host == self.host
+
     async def _channel(self, sb: SandboxInfo) -> Channel:
+        if not self._mine(sb):
+            msg = f"sandbox {sb.id} lives on host {sb.host}: reach it through that host's server"
+            raise InvalidState(msg, id=sb.id, host=sb.host)
         cached = self._channels.get(sb.id)
         if cached is not None and cached[0] == sb.backend_ref and not cached[1].closed:
             return cached[1]

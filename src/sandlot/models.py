@@ -405,6 +405,8 @@ class SandboxInfo(_Model):
     """When the TTL runs out."""
     backend_ref: str | None = None
     """The backend's own handle for the sandbox."""
+    host: str | None = None
+    """For backends whose sandboxes live on one host (``local``, ``microvm``): that host."""
     transition_owner: str | None = None
     """Who drives the transition in flight (``host:pid:nonce``), to settle abandoned ones."""
     transition_deadline: datetime | None = None

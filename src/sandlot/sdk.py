@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Self, final
 import anyio.to_thread
 
 from sandlot.backends.registry import Backends, default_backend_name
-from sandlot.config import default_database_url
+from sandlot.config import default_database_url, receipt_log_id
 from sandlot.config import home as resolve_home
 from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
 from sandlot.gate.gate import Approval, Gate
@@ -406,7 +406,9 @@ class AsyncSandlot:
         self.actor = actor
         store = SqlStore(database_url(database, home_dir))
         store.ensure_schema()
-        self.receipts = ReceiptLog(store.engine, KeyStore.default(home_dir).active())
+        self.receipts = ReceiptLog(
+            store.engine, KeyStore.default(home_dir).active(), log_id=receipt_log_id(home_dir)
+        )
         """The signed receipt log (in the same database as the records)."""
         if on_receipt is not None:
             self.receipts.on_receipt(on_receipt)

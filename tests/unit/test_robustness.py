@@ -126,3 +126,33 @@ async def test_a_keyed_exec_longer_than_its_lease_is_not_declared_dead(
         results["replay"] = (await sb.exec(["deploy"], idempotency_key="K")).stdout
     assert results == {"first": "done\n", "replay": "done\n"}
     assert len(runs) == 1
+
+
+async def test_two_hosts_on_one_database_keep_to_their_own_sandboxes(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from sandlot import InvalidState
+
+    local_like = replace(FakeBackend().capabilities(), host_local=True)
+    db = f"sqlite:///{tmp_path / 'shared.db'}"
+    async with (
+        AsyncSandlot(
+            tmp_path / "a", database=db, backends={"fake": FakeBackend(capabilities=local_like)}
+        ) as a,
+        AsyncSandlot(
+            tmp_path / "b", database=db, backends={"fake": FakeBackend(capabilities=local_like)}
+        ) as b,
+    ):
+        b.manager.host = "host-b"
+        sb = await a.create(timeout=1)
+        assert sb.info.host == a.manager.host
+        assert (await b.reconcile()).updated == {}
+        assert await b.stop_expired() == []
+        with pytest.raises(InvalidState, match="lives on host"):
+            await (await b.get(sb.id)).exec("echo hi")
+        assert (await sb.refresh()).status is S.RUNNING
+        # Each home signs its own receipt log, so both can write to the shared database.
+        other = await b.create()
+        assert a.receipts.log_id != b.receipts.log_id
+        assert (await other.exec("echo b")).stdout == "b\n"
+        assert (await sb.exec("echo a")).stdout == "a\n"

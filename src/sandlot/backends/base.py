@@ -53,6 +53,8 @@ class Capabilities:
     """``reset`` works (back to a snapshot or the baseline, verified)."""
     isolation: str = "none"
     """A word on the isolation boundary (``none``, ``namespaces``, ``gvisor``, ``vm``)."""
+    host_local: bool = False
+    """Sandboxes live on the host that made them (only that host's Manager can reach them)."""
 
 
 @dataclass(frozen=True)

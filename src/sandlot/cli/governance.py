@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from sandlot.cli.app import JsonOpt, _print_json, _run, _settings, app, err, out
+from sandlot.config import receipt_log_id
 from sandlot.errors import InvalidRequest, SandboxError
 from sandlot.journal import Journal, process_owner
 from sandlot.models import Actor
@@ -69,7 +70,7 @@ def _log(as_json: bool = False) -> Iterator[ReceiptLog]:
         home = resolve_home(_settings.home)
         store = SqlStore(database_url(_settings.database, home))
         store.ensure_schema()
-        log = ReceiptLog(store.engine, KeyStore.default(home).active())
+        log = ReceiptLog(store.engine, KeyStore.default(home).active(), log_id=receipt_log_id(home))
     except SandboxError as e:
         raise _fail(e.message, 1, as_json) from None
     try:

@@ -364,6 +364,7 @@ class LocalBackend:
             images=True,
             reset=True,
             isolation="namespaces",
+            host_local=True,
         )
 
     @property

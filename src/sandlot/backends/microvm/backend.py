@@ -279,6 +279,7 @@ class MicrovmBackend:
             images=True,
             reset=True,
             isolation="vm",
+            host_local=True,
         )
 
     async def aclose(self) -> None:
