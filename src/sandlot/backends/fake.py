@@ -363,6 +363,7 @@ class FakeBackend:
 
             msg = "fake backend set unreachable"
             raise BackendUnavailable(msg)
+        self._load()
         sb = self.sandboxes.get(ref)
         if sb is None:
             return BackendState("missing")
@@ -378,6 +379,7 @@ class FakeBackend:
 
             msg = "fake backend set unreachable"
             raise BackendUnavailable(msg)
+        self._load()
         return {sb.sandbox_id: ref for ref, sb in self.sandboxes.items()}
 
     async def channel(self, ref: str) -> FakeChannel:
@@ -447,6 +449,7 @@ class FakeBackend:
         )
         sb = self._get(ref)
         sb.spec = sb.spec.model_copy(update={"network": policy})
+        self._save()
 
     def network_events(self, ref: str, offset: int = 0) -> tuple[list[dict[str, JsonValue]], int]:
         """Egress events emitted with :meth:`emit_egress`, from index ``offset``."""
@@ -941,9 +944,18 @@ async def _builtin(req: FakeExec) -> ExecResult:
     if prog == "false":
         return ExecResult(exit_code=1)
     if prog == "exit":
+        if args and not args[0].lstrip("-").isdigit():
+            return ExecResult(
+                exit_code=2, stderr=f"fake sh: exit: {args[0]}: numeric argument required\n"
+            )
         return ExecResult(exit_code=int(args[0]) if args else 0)
     if prog == "sleep":
-        seconds = float(args[0]) if args else 0.0
+        try:
+            seconds = float(args[0]) if args else 0.0
+        except ValueError:
+            return ExecResult(
+                exit_code=1, stderr=f"fake sleep: invalid time interval {args[0]!r}\n"
+            )
         if req.timeout is not None and seconds > req.timeout:
             await anyio.sleep(req.timeout)
             return ExecResult(exit_code=124, timed_out=True)
