@@ -29,6 +29,19 @@ def test_signatures_verify_under_the_public_key():
     assert not key.verify(signer.sign(b"message"), b"other message")
 
 
+def test_signatures_are_those_of_the_key_file_library():
+    # Signing goes through libsodium, keys through cryptography: Ed25519 is deterministic, so
+    # both must give the same 64 bytes; a difference would mean two different keys.
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    signer = Ed25519Signer.generate()
+    key = load_pem_private_key(signer.to_pem(), password=None)
+    assert isinstance(key, Ed25519PrivateKey)
+    for message in (b"", b"message", bytes(range(256)) * 40):
+        assert signer.sign(message) == key.sign(message)
+
+
 def test_pem_round_trip():
     signer = Ed25519Signer.generate()
     pem = signer.to_pem()
