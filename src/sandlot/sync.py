@@ -7,6 +7,10 @@
 Each method runs its async twin on an event loop in a background (daemon) thread, so there
 is one source of behaviour; a test checks the two surfaces match name for name and signature
 for signature. Callbacks (``on_stdout``, …) are called on that loop's thread.
+
+The HTTP client's sync :class:`sandlot.client.Client` is built from the same pieces: its
+sandboxes are this module's :class:`Sandbox` (around the client's async handle), and it shares
+every client method through :class:`SyncClientBase`, so the sync surface is written once.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import builtins
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, final
 
 from sandlot.gate.gate import Approval
 from sandlot.manager import ReconcileReport
@@ -45,20 +49,24 @@ from sandlot.terminal import Terminal
 if TYPE_CHECKING:
     from sandlot.backends.base import Backend
     from sandlot.channel.base import OutputCallback, Stdin
+    from sandlot.client.remote import AsyncClient, AsyncRemoteSandbox
     from sandlot.errors import PolicyDenied
     from sandlot.policy import PolicyConfig
     from sandlot.receipts import Receipt
 
-__all__ = ["Sandbox", "Sandlot"]
+__all__ = ["Sandbox", "Sandlot", "SyncClientBase"]
 
-T = TypeVar("T")
+#: The async client a sync facade runs: the in-process SDK or the HTTP client.
+AsyncT = TypeVar("AsyncT", "AsyncSandlot", "AsyncClient")
 
 
 @final
 class Sandbox:
-    """A handle on one sandbox. ``with`` destroys it on exit."""
+    """A handle on one sandbox, in this process or on a server. ``with`` destroys it on exit."""
 
-    def __init__(self, client: Sandlot, handle: AsyncSandbox) -> None:
+    def __init__(
+        self, client: SyncClientBase[Any], handle: AsyncSandbox | AsyncRemoteSandbox
+    ) -> None:
         self._client = client
         self._loop = client._loop
         self._async = handle
@@ -245,7 +253,11 @@ class Sandbox:
 
     def fork(self, count: int = 1) -> builtins.list[Sandbox]:
         """Make ``count`` new sandboxes from its current state."""
-        return [Sandbox(self._client, h) for h in self._loop.run(self._async.fork(count))]
+        return [Sandbox(self._client, h) for h in self._loop.run(self._fork(count))]
+
+    async def _fork(self, count: int) -> builtins.list[AsyncSandbox | AsyncRemoteSandbox]:
+        # One list type for either kind of async handle, so the loop's result has one type.
+        return [*await self._async.fork(count)]
 
     def expose_port(self, port: int) -> PortMapping:
         """Publish a sandbox port on the host."""
@@ -276,47 +288,14 @@ class Sandbox:
         return self._loop.run(self._async.explain(action, **args))
 
 
-@final
-class Sandlot:
-    """The sync SDK on an embedded Manager; arguments as for :class:`AsyncSandlot`."""
+class SyncClientBase(Generic[AsyncT]):
+    """The sync client methods, written once for :class:`Sandlot` and the HTTP ``Client``.
 
-    @property
-    def receipts(self) -> ReceiptLog:
-        """The signed receipt log."""
-        return self._async.receipts
+    A subclass's constructor starts ``self._loop`` and builds ``self._async`` on it.
+    """
 
-    def __init__(
-        self,
-        home: str | Path | None = None,
-        backend: str | None = None,
-        database: str | None = None,
-        *,
-        backends: Mapping[str, Backend] | None = None,
-        actor: Actor = LOCAL_ACTOR,
-        policy: str | Path | Sequence[str | Path] | PolicyConfig | None = None,
-        hold_timeout: float = 300.0,
-        on_deny: Callable[[PolicyDenied], object] | None = None,
-        on_receipt: Callable[[Receipt], None] | None = None,
-    ) -> None:
-        self._loop = EventLoopThread()
-        options = {
-            "backends": backends,
-            "actor": actor,
-            "policy": policy,
-            "hold_timeout": hold_timeout,
-            "on_deny": on_deny,
-            "on_receipt": on_receipt,
-        }
-        try:
-            self._async = self._loop.run(_build(home, backend, database, options))
-        except BaseException:
-            self._loop.close()
-            raise
-
-    @property
-    def home(self) -> Path:
-        """The state directory."""
-        return self._async.home
+    _loop: EventLoopThread
+    _async: AsyncT
 
     def __enter__(self) -> Self:
         return self
@@ -410,12 +389,55 @@ class Sandlot:
         return self._loop.run(self._async.deny(approval_id))
 
     def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
-        """Sync records with the backends and reap orphans."""
+        """Sync records with the backends and reap orphans (on a server: admin keys only)."""
         return self._loop.run(self._async.reconcile(ids))
 
     def stop_expired(self) -> builtins.list[str]:
-        """Stop sandboxes past their TTL or idle timeout."""
+        """Stop sandboxes past their TTL or idle timeout (on a server: admin keys only)."""
         return self._loop.run(self._async.stop_expired())
+
+
+@final
+class Sandlot(SyncClientBase[AsyncSandlot]):
+    """The sync SDK on an embedded Manager; arguments as for :class:`AsyncSandlot`."""
+
+    @property
+    def receipts(self) -> ReceiptLog:
+        """The signed receipt log."""
+        return self._async.receipts
+
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        backend: str | None = None,
+        database: str | None = None,
+        *,
+        backends: Mapping[str, Backend] | None = None,
+        actor: Actor = LOCAL_ACTOR,
+        policy: str | Path | Sequence[str | Path] | PolicyConfig | None = None,
+        hold_timeout: float = 300.0,
+        on_deny: Callable[[PolicyDenied], object] | None = None,
+        on_receipt: Callable[[Receipt], None] | None = None,
+    ) -> None:
+        self._loop = EventLoopThread()
+        options = {
+            "backends": backends,
+            "actor": actor,
+            "policy": policy,
+            "hold_timeout": hold_timeout,
+            "on_deny": on_deny,
+            "on_receipt": on_receipt,
+        }
+        try:
+            self._async = self._loop.run(_build(home, backend, database, options))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @property
+    def home(self) -> Path:
+        """The state directory."""
+        return self._async.home
 
 
 async def _build(

@@ -20,9 +20,14 @@ def test_all_is_sorted_and_complete() -> None:
 
 
 def _public(cls: type) -> dict[str, object]:
+    # Walk the bases too: the sync clients share their methods through a base class.
+    members: dict[str, object] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.startswith("sandlot"):
+            members.update(vars(klass))
     return {
         name: member
-        for name, member in vars(cls).items()
+        for name, member in members.items()
         if not name.startswith("_") and (callable(member) or isinstance(member, property))
     }
 

@@ -7,13 +7,14 @@
             print(sb.exec("uname -a").stdout)
 
 :class:`AsyncClient` / :class:`Client` mirror :class:`sandlot.AsyncSandlot` /
-:class:`sandlot.Sandlot`, and their handles mirror :class:`sandlot.AsyncSandbox` /
-:class:`sandlot.Sandbox`; errors are the same classes. This module only re-exports.
+:class:`sandlot.Sandlot`; :class:`AsyncRemoteSandbox` mirrors :class:`sandlot.AsyncSandbox`,
+and the sync client's handles are :class:`sandlot.Sandbox` itself; errors are the same
+classes. This module only re-exports.
 """
 
 from __future__ import annotations
 
 from sandlot.client.remote import AsyncClient, AsyncRemoteSandbox
-from sandlot.client.sync import Client, RemoteSandbox
+from sandlot.client.sync import Client
 
-__all__ = ["AsyncClient", "AsyncRemoteSandbox", "Client", "RemoteSandbox"]
+__all__ = ["AsyncClient", "AsyncRemoteSandbox", "Client"]

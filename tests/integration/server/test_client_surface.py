@@ -1,5 +1,6 @@
 """The HTTP client offers the in-process SDK's surface: same names, same signatures, same
-return types (with the handle classes renamed), and its sync facade mirrors its async side."""
+return types (with the async classes renamed; the sync handle is the SDK's own ``Sandbox``), and
+its sync facade mirrors its async side."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 
 import pytest
 
-from sandlot.client import AsyncClient, AsyncRemoteSandbox, Client, RemoteSandbox
+from sandlot.client import AsyncClient, AsyncRemoteSandbox, Client
 from sandlot.sdk import AsyncSandbox, AsyncSandlot
 from sandlot.sync import Sandbox, Sandlot
 
@@ -18,24 +19,26 @@ _DATA = {"home", "url", "info", "receipts"}
 
 
 def _public(cls: type) -> dict[str, object]:
+    # Walk the bases too: the sync clients share their methods through a base class.
+    members: dict[str, object] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.startswith("sandlot"):
+            members.update(vars(klass))
     return {
         name: member
-        for name, member in vars(cls).items()
+        for name, member in members.items()
         if not name.startswith("_") and (callable(member) or isinstance(member, property))
     }
 
 
 def _client_text(annotation: str) -> str:
     text = re.sub(r"\bAsyncSandbox\b", "AsyncRemoteSandbox", annotation)
-    text = re.sub(r"\bSandbox\b", "RemoteSandbox", text)
     text = re.sub(r"\bAsyncSandlot\b", "AsyncClient", text)
     return re.sub(r"\bSandlot\b", "Client", text)
 
 
 def _sync_text(annotation: str) -> str:
-    text = annotation.replace("AsyncIterator", "Iterator").replace(
-        "AsyncRemoteSandbox", "RemoteSandbox"
-    )
+    text = annotation.replace("AsyncIterator", "Iterator").replace("AsyncRemoteSandbox", "Sandbox")
     text = re.sub(r"\bAsyncTerminal\b", "Terminal", text)
     return re.sub(r"\bAsyncClient\b", "Client", text)
 
@@ -68,7 +71,6 @@ def _compare(left: type, right: type, translate: object, *, renames: dict[str, s
         (AsyncSandlot, AsyncClient),
         (AsyncSandbox, AsyncRemoteSandbox),
         (Sandlot, Client),
-        (Sandbox, RemoteSandbox),
     ],
 )
 def test_client_mirrors_the_sdk(sdk_cls: type, client_cls: type) -> None:
@@ -83,7 +85,7 @@ def test_client_mirrors_the_sdk(sdk_cls: type, client_cls: type) -> None:
 
 
 @pytest.mark.parametrize(
-    ("async_cls", "sync_cls"), [(AsyncClient, Client), (AsyncRemoteSandbox, RemoteSandbox)]
+    ("async_cls", "sync_cls"), [(AsyncClient, Client), (AsyncRemoteSandbox, Sandbox)]
 )
 def test_sync_client_mirrors_async_client(async_cls: type, sync_cls: type) -> None:
     _compare(async_cls, sync_cls, _sync_text, renames={"aclose": "close"})

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.client import Client, RemoteSandbox
+from sandlot import Sandbox
+from sandlot.client import Client
 from sandlot.server.testing import ServerThread
 from sandlot.terminal import Terminal
 
@@ -35,7 +36,7 @@ def _read_until(term: Terminal, needle: bytes) -> bytes:
     return seen
 
 
-def _running(sb: RemoteSandbox, cmdline: str) -> bool:
+def _running(sb: Sandbox, cmdline: str) -> bool:
     listing = sb.exec(
         ["sh", "-c", 'for p in /proc/[0-9]*; do tr "\\0" " " < $p/cmdline; echo; done'],
         check=True,
