@@ -842,8 +842,7 @@ def reconcile(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Sync records with the backends, settle abandoned transitions, stop expired sandboxes
-    and reap orphans."""
+    """Sync records with backends, settle abandoned transitions, stop expired ones, reap orphans."""
 
     async def body(client: AsyncSandlot) -> dict[str, object]:
         report = await client.reconcile(ids or None)
