@@ -132,8 +132,12 @@ def run_doctor(home: Path | None, database: str | None, *, as_json: bool, consol
         default = default_backend_name(None)
     except SandboxError:
         default = "local"
+    # A failed optional check (gVisor, umoci, a rootless user's missing limits) costs a feature,
+    # not the backend.
     usable = {
-        name: all(c.ok for c in checks) for name, checks in groups.items() if name != "general"
+        name: all(c.ok or not c.required for c in checks)
+        for name, checks in groups.items()
+        if name != "general"
     }
     ok = all(c.ok for c in groups["general"]) and usable.get(default, False)
     if as_json:
@@ -145,7 +149,13 @@ def run_doctor(home: Path | None, database: str | None, *, as_json: bool, consol
                     "backends": {n: {"usable": u} for n, u in usable.items()},
                     "checks": {
                         g: [
-                            {"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix}
+                            {
+                                "name": c.name,
+                                "ok": c.ok,
+                                "required": c.required,
+                                "detail": c.detail,
+                                "fix": c.fix,
+                            }
                             for c in cs
                         ]
                         for g, cs in groups.items()

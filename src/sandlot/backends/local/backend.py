@@ -19,6 +19,15 @@ loop-mounted ext4 image) for ``disk_mb``; no new privileges, a reduced capabilit
 deny list, masked and read-only ``/proc`` and ``/sys`` paths (:mod:`.oci`, :mod:`.seccomp`); and
 an empty network namespace (loopback only) unless a network service is plugged in.
 
+Run by a normal user, the backend is *rootless* (:mod:`.rootless`): root inside a sandbox is
+the caller (ids 1..65535 its subordinate range when it has one), the root overlay is mounted by
+:mod:`.userns_helper` in a user and mount namespace from which crun runs (so nothing is mounted
+on the host), files the sandbox made are read, copied and removed from inside such a namespace,
+processes are found from the init (no cgroup), a snapshot stops them with ``SIGSTOP`` instead of
+the freezer, and ``allow-all`` is slirp4netns behind a fence in the sandbox's own network
+namespace. It cannot enforce resource limits here (no delegated cgroups), so
+``capabilities().limits`` is empty and such specs are refused; nor gVisor, allowlists or ports.
+
 ``reset`` is verified from the host, never from inside: every process ends, the writable layer
 is swapped for an empty one over the target's lower layers (for the baseline, the layers the
 sandbox was created on; for a snapshot, its layer re-hashed against its manifest first), the
@@ -61,7 +70,7 @@ import anyio
 import anyio.to_thread
 
 from sandlot.backends.base import BackendState, Capabilities, SnapshotRef
-from sandlot.backends.local import layers, oci
+from sandlot.backends.local import layers, oci, rootless
 from sandlot.backends.local.channel import LocalChannel, read_oom_kills
 from sandlot.backends.local.ids import RANGE_SIZE, UidRanges
 from sandlot.backends.local.mounts import (
@@ -72,7 +81,8 @@ from sandlot.backends.local.mounts import (
     mount_small_tmpfs,
     umount_tree,
 )
-from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache
+from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache, Storage
+from sandlot.backends.local.rootless import IdMap
 from sandlot.backends.local.runtime import (
     Crun,
     Runsc,
@@ -170,6 +180,10 @@ class _Meta:
     """The state right after create: its lower layers and the digest of its upper layer."""
     pristine: dict[str, JsonValue] | None = None
     """What the last verified reset left: its target and the digest of the upper layer."""
+    idmap: dict[str, JsonValue] | None = None
+    """Rootless: the caller's id mapping the sandbox's files were made under."""
+    slirp: list[int] | None = None
+    """Rootless ``allow-all``: the slirp4netns process (pid, start time)."""
 
     @property
     def isolation(self) -> str:
@@ -281,11 +295,19 @@ class LocalBackend:
                 raise InvalidRequest(msg)
         self.state_dir = Path(state_dir).absolute()
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        root = os.geteuid() == 0
+        self._idmap: IdMap | None = None
+        self._idmap_note = ""
+        self._run_problem = ""
+        if not root:
+            self._idmap, self._idmap_note = rootless.detect()
+            # The network service needs root (named namespaces, veths, nftables); a rootless
+            # sandbox gets its outbound network from slirp4netns instead.
+            networks = None
         self._networks = networks
         self._pool_sizes = {k: max(0, int(v)) for k, v in (pool or {}).items()}
         self._cache_path = cache
         self._rootfs: RootfsCache | None = None
-        root = os.geteuid() == 0
         if uid_registry is None:
             uid_registry = (
                 Path("/var/lib/sandlot/uid-ranges") if root else self.state_dir / ".uid-ranges"
@@ -305,10 +327,12 @@ class LocalBackend:
         if root:
             run_base = Path("/run/sandlot")
         else:
-            # Rootless sandboxes are not implemented yet (see unavailable()); this only keeps
-            # construction (``sandlot doctor``) working for a normal user.
-            runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sandlot-{os.geteuid()}"
-            run_base = Path(runtime_dir) / "sandlot"
+            try:
+                run_base = rootless.runtime_base()
+            except BackendUnavailable as e:
+                # Kept constructible for ``sandlot doctor``; unavailable() says why.
+                self._run_problem = e.message
+                run_base = self.state_dir / ".run"
         run_root = run_base / self._tag
         self._run_root = run_root
         for path in (run_root.parent, run_root, run_root / "mnt"):
@@ -327,8 +351,10 @@ class LocalBackend:
             shutil.copyfile(agent_path, tmp)
             tmp.chmod(0o644)
             tmp.replace(self._agent_copy)
+        if self._idmap is not None:
+            rootless.compile_helper(run_root)
         self._runtimes: dict[str, Runtime] = {
-            "crun": Crun(run_root / "crun"),
+            "crun": Crun(run_root / "crun", rootless=not root),
             "runsc": Runsc(run_root / "runsc"),
         }
         self._userns = UsernsHolder()
@@ -349,8 +375,39 @@ class LocalBackend:
         """``local``."""
         return "local"
 
+    @property
+    def rootless(self) -> bool:
+        """True when sandboxes run without root (as this user, see :mod:`.rootless`)."""
+        return self._idmap is not None
+
+    @property
+    def id_map(self) -> IdMap | None:
+        """Rootless: how sandbox ids map to this user's ids (None when running as root)."""
+        return self._idmap
+
     def capabilities(self) -> Capabilities:
-        """What this backend enforces (network kinds depend on the network service)."""
+        """What this backend enforces (network kinds depend on the network service).
+
+        Without root: no resource limit (no delegated cgroups), ``deny-all`` always and
+        ``allow-all`` when slirp4netns can run (no allowlist: see ``docs/network.md``), no
+        ports; snapshots, forks and resets work.
+        """
+        if self._idmap is not None:
+            kinds = {"deny-all"}
+            if rootless.slirp_problem() is None:
+                kinds.add("allow-all")
+            return Capabilities(
+                network=frozenset(kinds),
+                limits=frozenset(),
+                pause_memory=False,
+                snapshot=True,
+                fork=True,
+                ports=False,
+                images=True,
+                reset=True,
+                isolation="namespaces",
+                host_local=True,
+            )
         network = {"deny-all"}
         if self._networks is not None:
             network |= set(self._networks.capabilities())
@@ -384,16 +441,36 @@ class LocalBackend:
 
     def unavailable(self) -> str | None:
         """None when sandboxes can run here, else what is missing (for ``sandlot doctor``)."""
-        if os.geteuid() != 0:
-            return (
-                "the local backend runs sandboxes as root for now (each gets its own unprivileged "
-                "uid range); rootless mode is not implemented"
-            )
+        if self._idmap is not None:
+            return self._rootless_unavailable()
         missing = self._runtimes["crun"].available()
         if missing:
             return missing
         if shutil.which("unshare") is None:
             return "unshare is missing (Debian package util-linux)"
+        return None
+
+    def _rootless_unavailable(self) -> str | None:
+        if self._run_problem:
+            return self._run_problem
+        missing = self._runtimes["crun"].available()
+        if missing:
+            return missing
+        try:
+            limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+        except (OSError, ValueError):
+            limit = 0
+        if limit <= 0:
+            return (
+                "rootless sandboxes need user namespaces (as root: "
+                "sysctl -w user.max_user_namespaces=65536)"
+            )
+        with contextlib.suppress(OSError, ValueError):
+            if Path("/proc/sys/kernel/unprivileged_userns_clone").read_text().strip() == "0":
+                return (
+                    "unprivileged user namespaces are disabled (as root: "
+                    "sysctl -w kernel.unprivileged_userns_clone=1)"
+                )
         return None
 
     # ------------------------------------------------------------------ paths
@@ -417,7 +494,11 @@ class LocalBackend:
 
     def _cache(self) -> RootfsCache:
         if self._rootfs is None:
-            self._rootfs = RootfsCache(self._cache_path or cache_dir())
+            storage = None
+            if self._idmap is not None:
+                wrap = (*rootless.helper_argv(self._idmap), "--")
+                storage = Storage(self._idmap.key, wrap, self._idmap.full)
+            self._rootfs = RootfsCache(self._cache_path or cache_dir(), storage=storage)
         return self._rootfs
 
     @contextlib.contextmanager
@@ -464,6 +545,8 @@ class LocalBackend:
             msg = f"backend_options.local.isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}"
             raise InvalidRequest(msg)
         kind = spec.network if isinstance(spec.network, str) else "allowlist"
+        if self._idmap is not None:
+            self._validate_rootless(spec, isolation, kind)
         if kind not in self.capabilities().network:
             msg = (
                 f"network policy {kind!r} is not enforced by the local backend here: without the "
@@ -489,6 +572,39 @@ class LocalBackend:
             # Checked once: the checks read mount tables and may mount the hugetlb hierarchy.
             self._usable.add(runtime)
         return runtime
+
+    def _validate_rootless(self, spec: SandboxSpec, isolation: str, kind: str) -> None:
+        """What a rootless sandbox cannot have, refused before anything is made."""
+        if isolation == "gvisor":
+            msg = (
+                "isolation='gvisor' needs root here: the local backend runs runsc only as root; "
+                "without root use isolation='namespaces'"
+            )
+            raise NotSupported(msg)
+        asked = sorted(k for k, v in spec.resources.model_dump().items() if v is not None)
+        if asked:
+            msg = (
+                f"resource limits ({', '.join(asked)}) cannot be enforced without root here: "
+                "this host delegates no cgroups to normal users (and disk_mb needs a loop "
+                "mount); run sandlot as root for limits"
+            )
+            raise NotSupported(msg)
+        if kind == "allowlist":
+            msg = (
+                "network allowlists need root (the egress proxy's namespaces and nftables); "
+                "without root a sandbox gets deny-all or, with slirp4netns, allow-all"
+            )
+            raise NotSupported(msg)
+        problem = rootless.slirp_problem() if kind == "allow-all" else None
+        if problem is not None:
+            msg = (
+                f"network='allow-all' without root needs slirp4netns, and {problem}; "
+                "without it a sandbox has loopback only (deny-all)"
+            )
+            raise NotSupported(msg)
+        if spec.ports:
+            msg = "publishing ports needs root (the network service); not available rootless"
+            raise NotSupported(msg)
 
     def _ensure_subreaper(self) -> None:
         if not self._subreaper:
@@ -540,11 +656,13 @@ class LocalBackend:
         spec: SandboxSpec,
         lowers: list[Layer],
     ) -> _Meta:
-        base = self._uids.allocate(self.state_dir, container)
+        # Rootless: the sandbox's ids are the caller's own (and its subordinate range).
+        base = self._uids.allocate(self.state_dir, container) if self._idmap is None else None
         try:
             d.mkdir(mode=0o711)
         except BaseException:
-            self._uids.release(base)
+            if base is not None:
+                self._uids.release(base)
             raise
         meta = _Meta(
             sandbox_id=sandbox_id,
@@ -557,6 +675,7 @@ class LocalBackend:
             image_env=list(lowers[-1].env),
             disk_mb=spec.resources.disk_mb,
             net_key=sandbox_id if self._networks is not None else None,
+            idmap=dict(self._idmap.to_json()) if self._idmap is not None else None,
         )
         try:
             meta.save(d / "meta.json")
@@ -564,7 +683,8 @@ class LocalBackend:
                 (d / sub).mkdir(mode=0o711 if sub != "logs" else 0o700)
             self._make_layer(d, meta)
         except BaseException:
-            self._uids.release(base)
+            if base is not None:
+                self._uids.release(base)
             raise
         return meta
 
@@ -600,23 +720,27 @@ class LocalBackend:
         for sub in ("upper", "work"):
             p = layer / sub
             p.mkdir(exist_ok=True, mode=0o755)
-            os.chown(p, uid, uid)
-        os.chown(layer, uid, uid)
+            if meta.idmap is None:
+                os.chown(p, uid, uid)
+        if meta.idmap is None:
+            # Rootless: the caller made them, and the caller is the sandbox's root.
+            os.chown(layer, uid, uid)
 
     # ------------------------------------------------------------------ boot
 
     def _mount(self, d: Path, meta: _Meta) -> None:
         rootfs = self._mnt(meta.container) / "rootfs"
         rootfs.mkdir(parents=True, exist_ok=True, mode=0o711)
+        if meta.idmap is not None:
+            # Rootless: the helper mounts the overlay in the namespace the runtime starts in.
+            self._make_layer(d, meta)
+            self._lower_paths(meta)
+            return
         if is_mountpoint(rootfs):
             return
         self._make_layer(d, meta)
         userns = self._userns.fd(meta.uid_base, RANGE_SIZE) if meta.uid_base is not None else None
-        lowers = [Path(str(lay["path"])) for lay in meta.layers]
-        for lower in lowers:
-            if not lower.is_dir():
-                msg = f"sandbox {meta.sandbox_id}: its layer {lower} is gone"
-                raise BackendError(msg)
+        lowers = self._lower_paths(meta)
         mount_overlay(rootfs, lowers, d / "layer" / "upper", d / "layer" / "work", userns)
         try:
             if meta.default_root:
@@ -625,6 +749,27 @@ class LocalBackend:
         except BaseException:
             umount_tree(rootfs)
             raise
+
+    def _lower_paths(self, meta: _Meta) -> list[Path]:
+        lowers = [Path(str(lay["path"])) for lay in meta.layers]
+        for lower in lowers:
+            if not lower.is_dir():
+                msg = f"sandbox {meta.sandbox_id}: its layer {lower} is gone"
+                raise BackendError(msg)
+        return lowers
+
+    def _rootless_wrapper(self, d: Path, meta: _Meta) -> list[str]:
+        """The helper command line that mounts the sandbox's root and then runs the runtime."""
+        assert meta.idmap is not None
+        idmap = IdMap.from_json(meta.idmap)
+        return rootless.helper_argv(
+            idmap,
+            overlay=str(self._mnt(meta.container) / "rootfs"),
+            lower=[str(p) for p in self._lower_paths(meta)],
+            upper=str(d / "layer" / "upper"),
+            work=str(d / "layer" / "work"),
+            workdir=str(meta.spec.get("workdir") or "/workspace"),
+        )
 
     def _ensure_workdir(self, rootfs: Path, meta: _Meta) -> None:
         workdir = str(meta.spec.get("workdir") or "/workspace")
@@ -654,11 +799,15 @@ class LocalBackend:
                 "options": ["bind", "ro", "nosuid", "nodev"],
             }
         ]
-        if netns is not None and spec.network == "allow-all":
+        rootless_net = meta.idmap is not None and spec.network == "allow-all"
+        if (netns is not None or rootless_net) and spec.network == "allow-all":
             # Outbound traffic is NATed, so the sandbox can use the host's own nameservers
-            # (unless they sit on the host's loopback, which the sandbox cannot reach).
+            # (unless they sit on the host's loopback, which the sandbox cannot reach);
+            # slirp4netns offers a resolver of its own that forwards to them.
             resolv = d / "resolv.conf"
-            resolv.write_text(_host_resolv_conf())
+            resolv.write_text(
+                f"nameserver {rootless.SLIRP_DNS}\n" if rootless_net else _host_resolv_conf()
+            )
             mounts.append(
                 {
                     "destination": "/etc/resolv.conf",
@@ -678,6 +827,18 @@ class LocalBackend:
                 }
             )
         host_python = Path(_python_for_default_root()).resolve()
+        if meta.default_root and meta.idmap is not None:
+            # Rootless: no id-mapped mount is possible, so the runtime binds the host's /usr
+            # (its files show as owned by nobody inside); read-only down the whole tree.
+            mounts.insert(
+                0,
+                {
+                    "destination": "/usr",
+                    "type": "bind",
+                    "source": "/usr",
+                    "options": ["rbind", "rro", "nosuid", "nodev"],
+                },
+            )
         if meta.default_root:
             python = [str(host_python)]
         else:
@@ -714,11 +875,16 @@ class LocalBackend:
         if meta.runtime == "runsc":
             args = [*python, "-I", "-S", "-c", _GVISOR_BOOT, f"{_RUN_IN}/agent.sock", *args]
         init_env = [*meta.image_env, *(f"{k}={v}" for k, v in env.items())]
+        uid_base, uid_size = meta.uid_base, RANGE_SIZE
+        if meta.idmap is not None:
+            # The runtime runs as root of the helper's user namespace, whose ids are the
+            # sandbox's: the sandbox's own user namespace maps them one to one.
+            uid_base, uid_size = 0, IdMap.from_json(meta.idmap).size
         cfg = oci.BundleConfig(
             args=args,
             rootfs=self._mnt(meta.container) / "rootfs",
-            uid_base=meta.uid_base,
-            uid_size=RANGE_SIZE,
+            uid_base=uid_base,
+            uid_size=uid_size,
             cgroups_path=self._cgroup_rel(meta.container),
             resources=spec.resources,
             env=init_env,
@@ -726,6 +892,7 @@ class LocalBackend:
             netns_path=netns,
             hostname=HOSTNAME,
             gvisor=meta.runtime == "runsc",
+            rootless=meta.idmap is not None,
         )
         doc = oci.build(cfg)
         linux = doc["linux"]
@@ -833,7 +1000,10 @@ class LocalBackend:
             self._networks is not None and meta.net_key is not None and spec.network != "deny-all"
         )
         if meta.runtime == "crun":
-            await self._start_crun(d, meta, profile[0], network=network, baseline=baseline)
+            slirp = meta.idmap is not None and spec.network == "allow-all"
+            await self._start_crun(
+                d, meta, profile[0], network=network, baseline=baseline, slirp=slirp
+            )
             return
         # The sandbox can write here (it binds its socket here), so it is a tiny tmpfs of its
         # own rather than a directory of the host's /run.
@@ -889,9 +1059,17 @@ class LocalBackend:
         meta.save(d / "meta.json")
 
     async def _start_crun(
-        self, d: Path, meta: _Meta, profile: object, *, network: bool, baseline: bool
+        self,
+        d: Path,
+        meta: _Meta,
+        profile: object,
+        *,
+        network: bool,
+        baseline: bool,
+        slirp: bool = False,
     ) -> None:
         rt = self._runtimes["crun"]
+        wrapper = self._rootless_wrapper(d, meta) if meta.idmap is not None else None
         sock_path = d / "agent.sock"
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
@@ -944,6 +1122,7 @@ class LocalBackend:
                             log=d / "logs" / "runtime.log",
                             pid_file=pid_file,
                             network=network,
+                            wrapper=wrapper,
                         )
                     except BaseException:
                         connect_scope.cancel()
@@ -953,6 +1132,12 @@ class LocalBackend:
                     self._record_init(d, meta, pid_file, baseline=baseline)
                     if meta.init is not None:
                         tg.start_soon(watch, meta.init[0], meta.init[1])
+                        if slirp:
+                            try:
+                                await self._start_slirp(d, meta)
+                            except BaseException:
+                                connect_scope.cancel()
+                                raise
         except BaseException:
             for ch in connected:
                 with anyio.CancelScope(shield=True):
@@ -973,9 +1158,46 @@ class LocalBackend:
         msg = f"sandbox {meta.sandbox_id}: the agent did not answer: {err}: {self._log_tail(d)}"
         raise SandboxTimeout(msg) from err
 
+    async def _start_slirp(self, d: Path, meta: _Meta) -> None:
+        """Rootless ``allow-all``: fence the sandbox's network namespace (what rootful
+        ``allow-all`` refuses, :func:`.rootless.fence_slirp`) and attach slirp4netns to it."""
+        assert meta.init is not None
+        init = meta.init[0]
+        # The fence first: there is no way out of the namespace before it holds.
+        await anyio.to_thread.run_sync(rootless.fence_slirp, init)
+        pid = await anyio.to_thread.run_sync(
+            lambda: rootless.start_slirp(init, d / "logs" / "slirp.log")
+        )
+        start = process_start_time(pid)
+        meta.slirp = [pid, start] if start is not None else None
+        meta.save(d / "meta.json")
+
     def _describe_upper(self, d: Path, meta: _Meta) -> layers.UpperManifest:
+        upper = d / "layer" / "upper"
+        if meta.idmap is not None:
+            idmap = IdMap.from_json(meta.idmap)
+            try:
+                return layers.describe_upper(
+                    upper,
+                    uid_base=0,
+                    uid_size=0,
+                    uid_ranges=idmap.uid_ranges(),
+                    gid_ranges=idmap.gid_ranges(),
+                    xattr_prefix="user",
+                )
+            except PermissionError:
+                # Files the sandbox kept from its root (another uid's, or mode 000): read them
+                # as root of a namespace with the sandbox's ids.
+                doc = rootless.run_op(idmap, "describe", {"upper": str(upper)})
+                entries = doc.get("entries")
+                return layers.UpperManifest(
+                    str(doc.get("digest")),
+                    [e for e in entries if isinstance(e, dict)]
+                    if isinstance(entries, list)
+                    else [],
+                )
         return layers.describe_upper(
-            d / "layer" / "upper",
+            upper,
             uid_base=meta.uid_base or 0,
             uid_size=RANGE_SIZE if meta.uid_base is not None else 1 << 32,
         )
@@ -1089,7 +1311,11 @@ class LocalBackend:
                 await ready.close()
         rt = self._runtimes[meta.runtime]
         alive = meta.init is not None and process_alive(meta.init[0], meta.init[1])
-        if alive and self._frozen(meta.container):
+        if alive and meta.idmap is not None and meta.init is not None:
+            # A snapshot that never finished may have left them stopped (SIGSTOP), and a
+            # stopped init would not act on SIGTERM within the grace period.
+            rootless.thaw(rootless.sandbox_pids(meta.init[0]))
+        elif alive and self._frozen(meta.container):
             # Left paused by a snapshot that never finished: frozen tasks ignore signals.
             with contextlib.suppress(BackendError):
                 await rt.resume(meta.container)
@@ -1100,6 +1326,10 @@ class LocalBackend:
         if meta.init is not None and process_alive(meta.init[0], meta.init[1]):
             await self._signal_init(rt, meta, signal.SIGKILL)
             await wait_exit(meta.init[0], meta.init[1], 5.0)
+        if meta.slirp is not None:
+            slirp_pid, slirp_start = meta.slirp
+            await anyio.to_thread.run_sync(rootless.stop_slirp, slirp_pid, slirp_start)
+            meta.slirp = None
         self._note_death(meta)
         # Reap first: runsc waits for its sandbox and gofer processes to vanish, and a zombie
         # of ours would keep it waiting until its deadline.
@@ -1218,6 +1448,11 @@ class LocalBackend:
             return None
 
     def _wipe_dir(self, d: Path) -> None:
+        if self._idmap is not None:
+            # Nothing of a rootless sandbox is mounted on the host; what it wrote may belong
+            # to the caller's subordinate ids.
+            rootless.remove_trees(self._idmap, [d])
+            return
         umount_tree(d)
         # A reset may still be removing an old writable layer below ``d`` on another thread;
         # both sides ignore what the other removed first.
@@ -1232,6 +1467,8 @@ class LocalBackend:
         # Only the sandbox's own directory: the shared ``sandlot/<tag>`` parents stay while the
         # backend is in use, because removing them races with the runtime making a sibling
         # (another task or process), which then fails with ENOENT.
+        if self._idmap is not None:
+            return  # rootless sandboxes have no cgroups of their own
         rel = self._cgroup_rel(container).lstrip("/")
         roots = [p for p in Path("/sys/fs/cgroup").iterdir() if p.is_dir()]
         for root in [*roots, Path("/sys/fs/cgroup")]:
@@ -1240,6 +1477,8 @@ class LocalBackend:
 
     def _remove_tag_cgroups(self) -> None:
         """The backend's empty ``sandlot/<tag>`` cgroup directories (when it has no sandbox)."""
+        if self._idmap is not None:
+            return
         rel = self._cgroup_rel("x").lstrip("/").rsplit("/", 1)[0]
         roots = [p for p in Path("/sys/fs/cgroup").iterdir() if p.is_dir()]
         for root in [*roots, Path("/sys/fs/cgroup")]:
@@ -1370,26 +1609,27 @@ class LocalBackend:
                 await anyio.to_thread.run_sync(self._make_layer, d, meta)
                 mounted_here = True
             tmp = dest.with_name(f".{snapshot_id}.tmp-{secrets.token_hex(4)}")
-            if running:
+            stopped: list[int] = []
+            if running and meta.idmap is not None:
+                # No freezer cgroup without root: stop every process instead.
+                assert meta.init is not None
+                init = meta.init[0]
+                stopped = await anyio.to_thread.run_sync(lambda: rootless.freeze(init))
+            elif running:
                 await rt.pause(meta.container)
             try:
                 digest, size = await anyio.to_thread.run_sync(
-                    lambda: layers.capture(
-                        upper,
-                        tmp,
-                        uid_base=meta.uid_base or 0,
-                        uid_size=RANGE_SIZE if meta.uid_base is not None else 1 << 32,
-                        base=list(meta.layers),
-                        spec=dict(meta.spec),
-                        sandbox_id=meta.sandbox_id,
-                    )
+                    lambda: self._capture(meta, upper, tmp)
                 )
                 tmp.rename(dest)
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await anyio.to_thread.run_sync(self._wipe_dir, tmp)
                 raise
             finally:
-                if running:
+                if stopped:
+                    rootless.thaw(stopped)
+                elif running:
                     await rt.resume(meta.container)
                 if mounted_here:
                     await anyio.to_thread.run_sync(umount_tree, d / "layer")
@@ -1399,13 +1639,46 @@ class LocalBackend:
             metadata={"manifest_sha256": digest, "layers": len(meta.layers) + 1},
         )
 
+    def _capture(self, meta: _Meta, upper: Path, tmp: Path) -> tuple[str, int]:
+        if meta.idmap is not None:
+            # Read (and own the copies) as root of a namespace with the sandbox's ids: the
+            # layer keeps the host owners that rootless layers are stored with.
+            doc = rootless.run_op(
+                IdMap.from_json(meta.idmap),
+                "capture",
+                {
+                    "upper": str(upper),
+                    "dest": str(tmp),
+                    "base": list(meta.layers),
+                    "spec": dict(meta.spec),
+                    "sandbox_id": meta.sandbox_id,
+                },
+            )
+            size = doc.get("size")
+            return str(doc.get("digest")), size if isinstance(size, int) else 0
+        return layers.capture(
+            upper,
+            tmp,
+            uid_base=meta.uid_base or 0,
+            uid_size=RANGE_SIZE if meta.uid_base is not None else 1 << 32,
+            base=list(meta.layers),
+            spec=dict(meta.spec),
+            sandbox_id=meta.sandbox_id,
+        )
+
+    def _verify_snapshot(self, sdir: Path, digest: str | None = None) -> layers.Manifest:
+        if self._idmap is not None:
+            rootless.run_op(self._idmap, "verify", {"snapshot": str(sdir), "digest": digest})
+            return layers.read_manifest(sdir, digest)
+        return layers.verify(sdir, digest)
+
     def _snapshot_layers(self, snapshot: SnapshotRef) -> tuple[list[Layer], layers.Manifest]:
         sdir = self._snapshot_dir(snapshot.ref)
         if not sdir.is_dir() or (sdir / "deleted").exists():
             msg = f"snapshot {snapshot.ref} does not exist on this host"
             raise NotFound(msg)
         digest = snapshot.metadata.get("manifest_sha256")
-        manifest = layers.verify(sdir, digest if isinstance(digest, str) else None)
+        manifest = self._verify_snapshot(sdir, digest if isinstance(digest, str) else None)
         chain = [Layer(sdir / "layer", f"snapshot:{snapshot.ref}")]
         for i, lay in enumerate(manifest.base):
             path = Path(str(lay["path"]))
@@ -1674,7 +1947,7 @@ class LocalBackend:
                 continue
             if path.name == "layer" and path.parent.parent == self.state_dir / ".snapshots":
                 try:
-                    layers.verify(path.parent)
+                    self._verify_snapshot(path.parent)
                 except BackendError as e:
                     problems.append(e.message)
         return _check("layers", ", ".join(keys), "; ".join(problems) or ", ".join(keys))
@@ -1704,7 +1977,7 @@ class LocalBackend:
             # gVisor numbers the processes of its own kernel; the agent is its init.
             checks.append(_check("processes", "[1]", json.dumps(inside)))
         else:
-            found = self._cgroup_procs(meta.container)
+            found = self._procs(meta)
             checks.append(_check("processes", json.dumps([init]), json.dumps(found)))
         state = rt.recorded_state(meta.container) or await rt.state(meta.container)
         actual = "missing" if state is None else f"{state.status} pid {state.pid}"
@@ -1740,11 +2013,19 @@ class LocalBackend:
         them under crun; gVisor's sentry under runsc) plus the host processes the runtime left
         beside them (gVisor's gofer). For accounting (memory, CPU); empty when stopped."""
         _, meta = self._meta(ref)
-        pids = set(self._cgroup_procs(meta.container) or [])
+        pids = set(self._procs(meta) or [])
         for pid, start in meta.host_pids:
             if process_alive(pid, start):
                 pids.add(pid)
         return sorted(pids)
+
+    def _procs(self, meta: _Meta) -> list[int] | None:
+        """The sandbox's processes: its cgroup's, or (rootless, no cgroup) its init's tree."""
+        if meta.idmap is not None:
+            if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
+                return []
+            return rootless.sandbox_pids(meta.init[0])
+        return self._cgroup_procs(meta.container)
 
     def _cgroup_procs(self, container: str) -> list[int] | None:
         rel = self._cgroup_rel(container).lstrip("/")
@@ -1775,8 +2056,15 @@ class LocalBackend:
         # Removing a big layer takes as long as it is big; nothing waits for it (destroy
         # removes whatever is left with the sandbox's directory).
         threading.Thread(
-            target=_remove_trees, args=(stale,), name="sandlot-reset-gc", daemon=True
+            target=self._remove_stale, args=(stale,), name="sandlot-reset-gc", daemon=True
         ).start()
+
+    def _remove_stale(self, paths: list[Path]) -> None:
+        if self._idmap is None:
+            _remove_trees(paths)
+            return
+        with contextlib.suppress(SandboxError):
+            rootless.remove_trees(self._idmap, paths)
 
     async def fork(
         self, snapshot: SnapshotRef, sandbox_ids: list[str], spec: SandboxSpec
@@ -1866,7 +2154,12 @@ class LocalBackend:
             if not free:
                 return
             for sdir in free:
-                shutil.rmtree(sdir, ignore_errors=True)
+                if self._idmap is not None:
+                    # Rootless layers hold files of the caller's subordinate ids.
+                    with contextlib.suppress(SandboxError):
+                        rootless.remove_trees(self._idmap, [sdir])
+                else:
+                    shutil.rmtree(sdir, ignore_errors=True)
                 deleted.remove(sdir)
 
     async def expose_port(self, ref: str, port: int) -> PortMapping:
@@ -1972,6 +2265,10 @@ class LocalBackend:
     def _poolable(self, spec: SandboxSpec) -> str | None:
         if spec.image is not None or spec.resources.disk_mb is not None:
             return None
+        if self._idmap is not None and (spec.network != "deny-all" or spec.workdir != "/workspace"):
+            # Rootless pooled sandboxes boot deny-all in a root that only the sandbox's own
+            # namespace can see (no working directory can be made for it from the host).
+            return None
         if self._networks is None and spec.network != "deny-all":
             return None
         isolation = str(spec.options_for("local").get("isolation", "namespaces"))
@@ -2037,6 +2334,8 @@ class LocalBackend:
 
     def _apply_resources(self, meta: _Meta, spec: SandboxSpec) -> None:
         """Write the spec's limits into a claimed sandbox's cgroups (v1 or v2)."""
+        if meta.idmap is not None:
+            return  # rootless: no cgroups, and specs with limits are refused
         rel = self._cgroup_rel(meta.container).lstrip("/")
         res = spec.resources
         v1 = Path("/sys/fs/cgroup/memory").is_dir()

@@ -32,13 +32,26 @@ from pathlib import Path
 
 from sandlot.errors import BackendError
 
-__all__ = ["Manifest", "UpperManifest", "capture", "describe_upper", "manifest_digest", "verify"]
+__all__ = [
+    "IdRanges",
+    "Manifest",
+    "UpperManifest",
+    "capture",
+    "describe_upper",
+    "manifest_digest",
+    "read_manifest",
+    "verify",
+]
 
 _FORMAT = 1
 _NOBODY = 65534
 # Overlay's own bookkeeping on upper entries; only the opaque marker means something once the
-# layer is a lower layer, the rest would point at inodes of another mount.
-_KEEP_XATTRS = ("trusted.overlay.opaque",)
+# layer is a lower layer, the rest would point at inodes of another mount. An overlay mounted
+# by root keeps it in ``trusted.``; one mounted in a user namespace (rootless) in ``user.``.
+_OPAQUE = "overlay.opaque"
+
+IdRanges = Sequence[tuple[int, int, int]]
+"""An id map as ``(first id inside, first id on the host, count)`` ranges."""
 _CHUNK = 1 << 20
 
 
@@ -52,16 +65,47 @@ class Manifest:
     sandbox_id: str
 
 
-def _xattrs(path: str) -> dict[str, str]:
+def _xattrs(path: str, prefix: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    for name in _KEEP_XATTRS:
-        with contextlib.suppress(OSError):
-            out[name] = os.getxattr(path, name, follow_symlinks=False).decode(errors="replace")
+    name = f"{prefix}.{_OPAQUE}"
+    with contextlib.suppress(OSError):
+        out[name] = os.getxattr(path, name, follow_symlinks=False).decode(errors="replace")
     return out
 
 
 def _shift(uid: int, base: int, size: int) -> int:
     return uid - base if base <= uid < base + size else _NOBODY
+
+
+def _shift_ranges(host_id: int, ranges: IdRanges) -> int:
+    for inside, outside, count in ranges:
+        if outside <= host_id < outside + count:
+            return inside + host_id - outside
+    return _NOBODY
+
+
+class _Shifter:
+    """Host ids to container-relative ones: one contiguous range, or explicit ranges."""
+
+    def __init__(
+        self,
+        uid_base: int,
+        uid_size: int,
+        uid_ranges: IdRanges | None,
+        gid_ranges: IdRanges | None,
+    ) -> None:
+        self._base, self._size = uid_base, uid_size
+        self._uids, self._gids = uid_ranges, gid_ranges
+
+    def uid(self, host: int) -> int:
+        if self._uids is not None:
+            return _shift_ranges(host, self._uids)
+        return _shift(host, self._base, self._size)
+
+    def gid(self, host: int) -> int:
+        if self._gids is not None:
+            return _shift_ranges(host, self._gids)
+        return _shift(host, self._base, self._size)
 
 
 def _hash_copy(src: str, dst: str | None) -> tuple[str, int]:
@@ -81,7 +125,9 @@ def _hash_copy(src: str, dst: str | None) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def _describe(path: str, rel: str, st: os.stat_result, *, uid: int, gid: int) -> dict[str, object]:
+def _describe(
+    path: str, rel: str, st: os.stat_result, *, uid: int, gid: int, xattr_prefix: str
+) -> dict[str, object]:
     mode = st.st_mode
     entry: dict[str, object] = {
         "path": rel,
@@ -103,16 +149,23 @@ def _describe(path: str, rel: str, st: os.stat_result, *, uid: int, gid: int) ->
         entry["type"] = "f"
     else:
         entry["type"] = "s"
-    xattrs = _xattrs(path)
+    xattrs = _xattrs(path, xattr_prefix)
     if xattrs:
         entry["xattrs"] = xattrs
     return entry
 
 
+def _raise_denied(err: OSError) -> None:
+    # os.walk skips a directory it cannot list; for a digest or a copy that would be a silent
+    # hole (a rootless caller cannot list what the sandbox made private to another uid).
+    if isinstance(err, PermissionError):
+        raise err
+
+
 def _walk(top: str) -> list[tuple[str, str]]:
     """(absolute, relative) for every entry below ``top``, parents before children, sorted."""
     out: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(top):
+    for dirpath, dirnames, filenames in os.walk(top, onerror=_raise_denied):
         dirnames.sort()
         rel_dir = os.path.relpath(dirpath, top)
         for name in [*dirnames, *sorted(filenames)]:
@@ -130,10 +183,13 @@ def capture(
     base: Sequence[Mapping[str, object]],
     spec: Mapping[str, object],
     sandbox_id: str,
+    xattr_prefix: str = "trusted",
 ) -> tuple[str, int]:
     """Copy ``upper`` into ``dest/layer`` with shifted owners and write the manifest.
 
     Returns the manifest's SHA-256 and the layer's size in bytes. ``dest`` must not exist.
+    ``xattr_prefix``: the namespace of the overlay's markers (``user`` for an overlay mounted
+    in a user namespace).
     """
     layer = dest / "layer"
     layer.mkdir(parents=True)
@@ -151,7 +207,7 @@ def capture(
         st = os.lstat(src)
         dst = os.path.join(layer, rel)
         uid, gid = _shift(st.st_uid, uid_base, uid_size), _shift(st.st_gid, uid_base, uid_size)
-        entry = _describe(src, rel, st, uid=uid, gid=gid)
+        entry = _describe(src, rel, st, uid=uid, gid=gid, xattr_prefix=xattr_prefix)
         kind = entry["type"]
         if kind == "d":
             os.mkdir(dst, 0o700)
@@ -203,17 +259,32 @@ class UpperManifest:
     """Every entry as in a snapshot manifest (type, mode, owner, size and SHA-256, ...)."""
 
 
-def describe_upper(upper: Path, *, uid_base: int, uid_size: int) -> UpperManifest:
+def describe_upper(
+    upper: Path,
+    *,
+    uid_base: int,
+    uid_size: int,
+    uid_ranges: IdRanges | None = None,
+    gid_ranges: IdRanges | None = None,
+    xattr_prefix: str = "trusted",
+) -> UpperManifest:
     """Describe a sandbox's overlay upper directory for verification.
 
     The walk is the same one a snapshot manifest uses; a reset sandbox's upper directory holds
-    a handful of entries, so this costs well under a millisecond there.
+    a handful of entries, so this costs well under a millisecond there. Host owners are shifted
+    by ``uid_base``/``uid_size`` (one range for both), or by ``uid_ranges`` and ``gid_ranges``
+    when given (a rootless sandbox: the caller, then its subordinate ids).
+
+    Raises:
+        PermissionError: an entry is unreadable by this process (a rootless caller outside the
+            sandbox's user namespace).
     """
+    shifter = _Shifter(uid_base, uid_size, uid_ranges, gid_ranges)
     entries: list[dict[str, object]] = []
     for src, rel in _walk(str(upper)):
         st = os.lstat(src)
-        uid, gid = _shift(st.st_uid, uid_base, uid_size), _shift(st.st_gid, uid_base, uid_size)
-        entry = _describe(src, rel, st, uid=uid, gid=gid)
+        uid, gid = shifter.uid(st.st_uid), shifter.gid(st.st_gid)
+        entry = _describe(src, rel, st, uid=uid, gid=gid, xattr_prefix=xattr_prefix)
         if entry["type"] == "f":
             entry["sha256"], entry["size"] = _hash_copy(src, None)
         entries.append(entry)
@@ -226,11 +297,47 @@ def manifest_digest(snapshot_dir: Path) -> str:
     return (snapshot_dir / "manifest.sha256").read_text().strip()
 
 
-def verify(snapshot_dir: Path, expected_digest: str | None = None) -> Manifest:
+def verify(
+    snapshot_dir: Path, expected_digest: str | None = None, *, xattr_prefix: str = "trusted"
+) -> Manifest:
     """Check a snapshot against its manifest; the parsed manifest.
 
     Raises:
         BackendError: something is missing, extra or different (the message names it).
+    """
+    name = snapshot_dir.name
+    manifest = read_manifest(snapshot_dir, expected_digest)
+    layer = snapshot_dir / "layer"
+    expected = {str(e["path"]): e for e in manifest.entries}
+    seen: set[str] = set()
+    for src, rel in _walk(str(layer)):
+        want = expected.get(rel)
+        if want is None:
+            msg = f"snapshot {name} is corrupt: unexpected file {rel}"
+            raise BackendError(msg)
+        seen.add(rel)
+        st = os.lstat(src)
+        got = _describe(src, rel, st, uid=st.st_uid, gid=st.st_gid, xattr_prefix=xattr_prefix)
+        if got["type"] == "f":
+            got["sha256"], got["size"] = _hash_copy(src, None)
+        for key in ("type", "mode", "uid", "gid", "target", "rdev", "sha256", "size", "xattrs"):
+            if got.get(key) != want.get(key):
+                what = "content" if key in ("sha256", "size") else key
+                msg = f"snapshot {name} is corrupt: {rel} has a different {what}"
+                raise BackendError(msg)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        msg = f"snapshot {name} is corrupt: {missing[0]} is missing"
+        raise BackendError(msg)
+    return manifest
+
+
+def read_manifest(snapshot_dir: Path, expected_digest: str | None = None) -> Manifest:
+    """A snapshot's manifest, checked against its recorded digest (not the files: see
+    :func:`verify`).
+
+    Raises:
+        BackendError: the manifest is missing, unreadable or does not match its digest.
     """
     name = snapshot_dir.name
     try:
@@ -246,28 +353,6 @@ def verify(snapshot_dir: Path, expected_digest: str | None = None) -> Manifest:
     doc = json.loads(raw)
     if doc.get("format") != _FORMAT:
         msg = f"snapshot {name} has an unknown format {doc.get('format')!r}"
-        raise BackendError(msg)
-    layer = snapshot_dir / "layer"
-    expected = {str(e["path"]): e for e in doc["entries"]}
-    seen: set[str] = set()
-    for src, rel in _walk(str(layer)):
-        want = expected.get(rel)
-        if want is None:
-            msg = f"snapshot {name} is corrupt: unexpected file {rel}"
-            raise BackendError(msg)
-        seen.add(rel)
-        st = os.lstat(src)
-        got = _describe(src, rel, st, uid=st.st_uid, gid=st.st_gid)
-        if got["type"] == "f":
-            got["sha256"], got["size"] = _hash_copy(src, None)
-        for key in ("type", "mode", "uid", "gid", "target", "rdev", "sha256", "size", "xattrs"):
-            if got.get(key) != want.get(key):
-                what = "content" if key in ("sha256", "size") else key
-                msg = f"snapshot {name} is corrupt: {rel} has a different {what}"
-                raise BackendError(msg)
-    missing = sorted(set(expected) - seen)
-    if missing:
-        msg = f"snapshot {name} is corrupt: {missing[0]} is missing"
         raise BackendError(msg)
     return Manifest(
         entries=list(doc["entries"]),

@@ -83,7 +83,8 @@ class BundleConfig:
     rootfs: Path
     """The mounted root filesystem."""
     uid_base: int | None
-    """First host uid of the sandbox's range (``None``: rootless, map the caller)."""
+    """First id of the sandbox's range in the runtime's user namespace (``None``: map only
+    ``caller_uid``/``caller_gid``); rootless, 0 (see ``rootless``)."""
     uid_size: int
     """Size of the range."""
     cgroups_path: str
@@ -101,8 +102,12 @@ class BundleConfig:
     gvisor: bool = False
     """Tune the bundle for runsc (it applies masks and seccomp in its own kernel)."""
     caller_uid: int = 0
-    """The host uid/gid mapped to root when rootless."""
+    """The host uid/gid mapped to root when ``uid_base`` is None."""
     caller_gid: int = 0
+    rootless: bool = False
+    """The runtime runs as root of a user namespace whose ids are ``0..uid_size-1`` (the
+    caller and its subordinate ids), without cgroups: no cgroup section, and a per-uid process
+    limit (``RLIMIT_NPROC``) as the only bound on a fork bomb."""
 
 
 def namespaces(netns_path: str | None) -> list[dict[str, str]]:
@@ -168,14 +173,18 @@ def resources(spec: Resources, *, gvisor: bool = False) -> dict[str, object]:
     return out
 
 
-def rlimits(spec: Resources, *, gvisor: bool) -> list[dict[str, object]] | None:
+def rlimits(
+    spec: Resources, *, gvisor: bool, rootless: bool = False
+) -> list[dict[str, object]] | None:
     """Resource limits for the init, or None to inherit ours.
 
     Never above our own hard limits: root may lack ``CAP_SYS_RESOURCE`` and the runtime would
-    fail raising one. Only gVisor gets one (``RLIMIT_NPROC``, its exact pids limit); under
-    crun the sandbox's pids cgroup is exact already.
+    fail raising one. Only gVisor gets one (``RLIMIT_NPROC``, its exact pids limit), and a
+    rootless sandbox (a default bound per uid inside, counted in the sandbox's own user
+    namespace, where no cgroup can hold a fork bomb); under rootful crun the sandbox's pids
+    cgroup is exact already.
     """
-    if not gvisor:
+    if not gvisor and not rootless:
         return None
     _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     nproc = spec.pids or DEFAULT_PIDS
@@ -185,6 +194,9 @@ def rlimits(spec: Resources, *, gvisor: bool) -> list[dict[str, object]] | None:
 
 
 def _mounts(cfg: BundleConfig) -> list[dict[str, object]]:
+    pts = ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]
+    if cfg.rootless and cfg.uid_size <= 5:
+        pts.remove("gid=5")  # no group 5 among a single-id sandbox's ids
     mounts: list[dict[str, object]] = [
         {
             "destination": "/proc",
@@ -202,7 +214,7 @@ def _mounts(cfg: BundleConfig) -> list[dict[str, object]]:
             "destination": "/dev/pts",
             "type": "devpts",
             "source": "devpts",
-            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+            "options": pts,
         },
         {
             "destination": "/dev/shm",
@@ -233,6 +245,14 @@ def build(cfg: BundleConfig) -> dict[str, object]:
     if cfg.uid_base is None:
         uid_map = [{"containerID": 0, "hostID": cfg.caller_uid, "size": 1}]
         gid_map = [{"containerID": 0, "hostID": cfg.caller_gid, "size": 1}]
+    elif cfg.rootless and cfg.uid_size > 1:
+        # The kernel maps each extent of a child's map through a single extent of its parent's,
+        # and the helper's namespace has two (the caller, then its subordinate range).
+        uid_map = [
+            {"containerID": 0, "hostID": cfg.uid_base, "size": 1},
+            {"containerID": 1, "hostID": cfg.uid_base + 1, "size": cfg.uid_size - 1},
+        ]
+        gid_map = [dict(m) for m in uid_map]
     else:
         uid_map = [{"containerID": 0, "hostID": cfg.uid_base, "size": cfg.uid_size}]
         gid_map = [{"containerID": 0, "hostID": cfg.uid_base, "size": cfg.uid_size}]
@@ -241,12 +261,13 @@ def build(cfg: BundleConfig) -> dict[str, object]:
         "uidMappings": uid_map,
         "gidMappings": gid_map,
         "namespaces": namespaces(cfg.netns_path),
-        "resources": resources(cfg.resources, gvisor=cfg.gvisor),
-        "cgroupsPath": cfg.cgroups_path,
         "maskedPaths": list(MASKED_PATHS),
         "readonlyPaths": list(READONLY_PATHS),
         "seccomp": seccomp.profile(clone3=not cfg.gvisor),
     }
+    if not cfg.rootless:
+        linux["resources"] = resources(cfg.resources, gvisor=cfg.gvisor)
+        linux["cgroupsPath"] = cfg.cgroups_path
     process: dict[str, object] = {
         "terminal": False,
         "user": {"uid": 0, "gid": 0},
@@ -262,7 +283,7 @@ def build(cfg: BundleConfig) -> dict[str, object]:
         },
         "noNewPrivileges": True,
     }
-    limits = rlimits(cfg.resources, gvisor=cfg.gvisor)
+    limits = rlimits(cfg.resources, gvisor=cfg.gvisor, rootless=cfg.rootless)
     if limits is not None:
         process["rlimits"] = limits
     return {

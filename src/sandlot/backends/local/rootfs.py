@@ -34,7 +34,7 @@ from pathlib import Path
 
 from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest
 
-__all__ = ["HOSTNAME", "Layer", "RootfsCache"]
+__all__ = ["HOSTNAME", "Layer", "RootfsCache", "Storage"]
 
 HOSTNAME = "sandbox"
 _SKELETON_VERSION = "1"
@@ -123,6 +123,24 @@ class Layer:
     """True for the default skeleton (the host's ``/usr`` goes on top of it)."""
 
 
+@dataclass(frozen=True)
+class Storage:
+    """How layers are stored for a rootless caller.
+
+    A rootful sandbox sees a layer through an id-mapped mount, so layers keep
+    container-relative owners; an unprivileged user can make no id-mapped mount, so for it a
+    layer keeps the *host* owners the sandbox's user namespace maps to (container root is the
+    caller), and whatever sets owners (unpacking an image) runs as root of such a namespace.
+    """
+
+    key: str
+    """Names the mapping; its layers live apart (``<cache>/local/<key>``)."""
+    wrap: tuple[str, ...]
+    """A command prefix that runs a program as root of a user namespace with the mapping."""
+    full: bool
+    """The mapping has the ids of a rootful sandbox (0..65535), not only root."""
+
+
 def _digest(*parts: str | bytes) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -134,13 +152,18 @@ def _digest(*parts: str | bytes) -> str:
 class RootfsCache:
     """Builds and finds layers under ``<cache>/local``."""
 
-    def __init__(self, cache: Path, *, host_root: Path = Path("/")) -> None:
+    def __init__(
+        self, cache: Path, *, host_root: Path = Path("/"), storage: Storage | None = None
+    ) -> None:
         """Args:
         cache: the shared cache directory (``sandlot.config.cache_dir()``).
         host_root: where the host's ``/etc`` and ``/usr`` are read from (tests use ``/``).
+        storage: how a rootless caller stores layers (None: rootful, container-relative).
         """
-        self.root = cache / "local"
+        self.root = cache / "local" if storage is None else cache / "local" / storage.key
         self.host_root = host_root
+        self.storage = storage
+        self._wrap: list[str] = list(storage.wrap) if storage is not None else []
         for sub in ("images", "skeletons", "tmp", "by-file"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._skeleton: Layer | None = None
@@ -213,7 +236,10 @@ class RootfsCache:
         ):
             (dest / name).mkdir(exist_ok=True)
             (dest / name).chmod(mode)
-        os.chown(dest / "home" / "user", 1000, 1000)
+        if self.storage is None:
+            os.chown(dest / "home" / "user", 1000, 1000)
+        elif self.storage.full:
+            _run([*self._wrap, "chown", "1000:1000", str(dest / "home" / "user")], "own /home/user")
         etc = dest / "etc"
         for top in self._host_etc_entries():
             rel = top.relative_to(host / "etc")
@@ -240,7 +266,9 @@ class RootfsCache:
             else:
                 path.write_text(text)
                 path.chmod(0o644)
-        _canonical_owner(dest)
+        if self.storage is None:
+            # A rootless caller's copies are its own already: root inside.
+            _canonical_owner(dest)
 
     # ------------------------------------------------------------------ images
 
@@ -282,8 +310,30 @@ class RootfsCache:
         dest = self.root / "images" / key
 
         def build(tmp: Path) -> None:
-            tmp.rmdir()
-            _run(["cp", "-a", "--reflink=auto", str(path), str(tmp)], f"copy {path}")
+            if self.storage is None:
+                tmp.rmdir()
+                _run(["cp", "-a", "--reflink=auto", str(path), str(tmp)], f"copy {path}")
+                return
+            # Rootless: read as the caller (host owners recorded as they are, as a rootful
+            # copy keeps them), write as root of the sandboxes' namespace so that those owners
+            # become container ids; no device node can be made there (a sandbox's /dev is a
+            # tmpfs of its own anyway), and with a single id there are no owners to keep.
+            keep = "--numeric-owner" if self.storage.full else "--no-same-owner"
+            _pipe(
+                [
+                    "tar",
+                    "-C",
+                    str(path),
+                    "-c",
+                    "--numeric-owner",
+                    "--exclude=./dev/*",
+                    "-f",
+                    "-",
+                    ".",
+                ],
+                [*self._wrap, "tar", "-C", str(tmp), "-x", "-p", keep, "-f", "-"],
+                f"copy {path}",
+            )
 
         if not dest.is_dir():
             self._publish(dest, build)
@@ -305,12 +355,18 @@ class RootfsCache:
         dest = self.root / "images" / key
         if not dest.is_dir():
             name = path.name
-            argv = ["tar", "-x", "--numeric-owner", "-p", "-f", str(path)]
+            argv = [*self._wrap, "tar", "-x", "--numeric-owner", "-p", "-f", str(path)]
+            if self.storage is not None:
+                # No device node can be made in a user namespace, and a sandbox's /dev is a
+                # tmpfs of its own anyway; with one id there are no owners to keep.
+                argv += ["--exclude=./dev/*", "--exclude=dev/*"]
+                if not self.storage.full:
+                    argv.append("--no-same-owner")
             if name.endswith((".tar.zst", ".tar.zstd", ".tzst")):
                 if shutil.which("zstd") is None:
                     msg = "unpacking a .tar.zst image needs zstd (Debian package zstd)"
                     raise BackendUnavailable(msg)
-                argv.insert(2, "--zstd")
+                argv.insert(len(self._wrap) + 2, "--zstd")
 
             def build(tmp: Path) -> None:
                 _run([*argv, "-C", str(tmp)], f"unpack {path}")
@@ -349,8 +405,17 @@ class RootfsCache:
             def build(tmp: Path) -> None:
                 bundle = tmp.parent / (tmp.name + ".bundle")
                 try:
+                    rootless = ["--rootless"] if self.storage and not self.storage.full else []
                     _run(
-                        ["umoci", "unpack", "--image", f"{layout}:{tag}", str(bundle)],
+                        [
+                            *self._wrap,
+                            "umoci",
+                            "unpack",
+                            *rootless,
+                            "--image",
+                            f"{layout}:{tag}",
+                            str(bundle),
+                        ],
                         f"unpack {ref}",
                     )
                     config = json.loads((bundle / "config.json").read_text())
@@ -376,7 +441,15 @@ class RootfsCache:
         tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=self.root / "tmp"))
         try:
             build(tmp)
-            tmp.chmod(0o755)
+            if self.storage is not None and tmp.lstat().st_uid != os.geteuid():
+                # Rootless: unpacking gave the top directory the image's owner (one of our
+                # subordinate ids), and we could not even move it into place.
+                _run(
+                    [*self._wrap, "sh", "-c", 'chown 0:0 "$1" && chmod 0755 "$1"', "sh", str(tmp)],
+                    "own the image's top directory",
+                )
+            else:
+                tmp.chmod(0o755)
             try:
                 tmp.rename(dest)
             except OSError:
@@ -423,6 +496,25 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def _pipe(reader: list[str], writer: list[str], what: str) -> None:
+    """``reader | writer``, failing with the stderr of whichever failed."""
+    try:
+        with subprocess.Popen(reader, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as src:
+            assert src.stdout is not None
+            dst = subprocess.run(writer, stdin=src.stdout, capture_output=True, check=False)
+            src.stdout.close()
+            err = src.stderr.read() if src.stderr else b""
+            src.wait()
+    except FileNotFoundError as e:
+        msg = f"cannot {what}: {e.filename} is missing"
+        raise BackendUnavailable(msg) from e
+    for rc, out in ((src.returncode, err), (dst.returncode, dst.stderr)):
+        if rc != 0:
+            detail = out.decode(errors="replace").strip()[-2000:] or f"exit {rc}"
+            msg = f"cannot {what}: {detail}"
+            raise BackendError(msg)
 
 
 def _run(argv: list[str], what: str) -> None:

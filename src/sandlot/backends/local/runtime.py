@@ -192,9 +192,15 @@ class ContainerState:
 
 
 def _spawn_wait(
-    argv: Sequence[str], *, fd3: int | None, log: Path, exe: str | None = None
+    argv: Sequence[str],
+    *,
+    fd3: int | None,
+    log: Path,
+    exe: str | None = None,
+    fd4: int | None = None,
 ) -> tuple[int, str]:
-    """Run ``argv`` with stdout/stderr appended to ``log`` and ``fd3`` as its fd 3.
+    """Run ``argv`` with stdout/stderr appended to ``log``, ``fd3`` as its fd 3 and ``fd4``
+    as its fd 4.
 
     posix_spawn (not subprocess) because the listening socket must land exactly on fd 3 for
     ``--preserve-fds 1``, and posix_spawn can dup2 it there without a fork of this
@@ -202,17 +208,18 @@ def _spawn_wait(
     """
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     start = os.lseek(log_fd, 0, os.SEEK_END)
-    high = -1
+    high: list[int] = []
     try:
         actions: list[tuple[int, ...] | tuple[int, int, str, int, int]] = [
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
             (os.POSIX_SPAWN_DUP2, log_fd, 1),
             (os.POSIX_SPAWN_DUP2, log_fd, 2),
         ]
-        if fd3 is not None:
-            # dup2 onto itself would keep close-on-exec; go through a spare number first.
-            high = os.dup(fd3)
-            actions.append((os.POSIX_SPAWN_DUP2, high, 3))
+        for fd, target in ((fd3, 3), (fd4, 4)):
+            if fd is not None:
+                # dup2 onto itself would keep close-on-exec; go through a spare number first.
+                high.append(os.dup(fd))
+                actions.append((os.POSIX_SPAWN_DUP2, high[-1], target))
         try:
             if exe is not None:
                 pid = os.posix_spawn(exe, list(argv), dict(os.environ), file_actions=actions)
@@ -224,8 +231,8 @@ def _spawn_wait(
         _, status = os.waitpid(pid, 0)
     finally:
         os.close(log_fd)
-        if high >= 0:
-            os.close(high)
+        for fd in high:
+            os.close(fd)
     rc = os.waitstatus_to_exitcode(status)
     out = ""
     if rc != 0:
@@ -288,6 +295,12 @@ class SealedBinary:
             return None
         # /proc/<our pid>, not /proc/self: the path is resolved by the child being spawned.
         return f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def fd(self) -> int | None:
+        """The descriptor of the copy (close-on-exec), or None without one."""
+        if self._fd < 0 and not self._failed:
+            self._make()
+        return self._fd if self._fd >= 0 else None
 
     @property
     def digest(self) -> str:
@@ -386,17 +399,29 @@ class Runtime:
         log: Path,
         pid_file: Path,
         network: bool = False,
+        wrapper: Sequence[str] | None = None,
     ) -> None:
         """Create and start ``name`` from ``bundle`` detached; its init gets ``listen_fd`` as 3
         and its host pid is written to ``pid_file``. ``network``: the bundle joins a prepared
-        network namespace whose interfaces the sandbox should use."""
+        network namespace whose interfaces the sandbox should use. ``wrapper``: a command that
+        sets the stage and then executes the runtime's command line given after ``--exe PATH
+        --`` (the rootless user-namespace helper)."""
         argv = self._run_argv(
             name, bundle, listen_fd=listen_fd is not None, pid_file=pid_file, network=network
         )
         exe = self._exe()
+        fd4 = None
+        if wrapper is not None:
+            # The wrapper runs the runtime from another user namespace, where our /proc/<pid>
+            # is out of reach: it gets the sealed copy as its fd 4 instead. It also collects
+            # the runtime's exited helpers, which would otherwise be zombies of ours.
+            fd4 = self._copy.fd() if self._copy is not None else None
+            extra = ["--exe-fd", "4"] if fd4 is not None else []
+            argv = [*wrapper, *extra, "--reap", "1", "--", *argv]
+            exe = None
         for attempt in range(2):
             rc, out = await anyio.to_thread.run_sync(
-                lambda: _spawn_wait(argv, fd3=listen_fd, log=log, exe=exe)
+                lambda: _spawn_wait(argv, fd3=listen_fd, log=log, exe=exe, fd4=fd4)
             )
             # Another process may remove an empty parent cgroup just as the runtime makes
             # its directory below it (the runtime makes them one level at a time): once more.
@@ -511,19 +536,31 @@ class Runtime:
 
 
 class Crun(Runtime):
-    """``crun``: namespaces, cgroups and seccomp applied by the host kernel."""
+    """``crun``: namespaces, cgroups and seccomp applied by the host kernel.
+
+    ``rootless``: the caller is a normal user without delegated cgroups, so crun runs with its
+    cgroup manager disabled (it would otherwise fail making a cgroup, or, run as root of a user
+    namespace, believe it could).
+    """
 
     name = "crun"
     binary = "crun"
     sealed = True
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, rootless: bool = False) -> None:
         super().__init__(root)
+        self.rootless = rootless
         self._bpf: dict[str, str] = {}
+
+    def _base(self) -> list[str]:
+        base = super()._base()
+        if self.rootless:
+            base.insert(1, "--cgroup-manager=disabled")
+        return base
 
     def available(self) -> str | None:
         missing = super().available()
-        if missing is None:
+        if missing is None and not self.rootless:
             try:
                 ensure_hugetlb_hierarchy()
             except BackendUnavailable as e:
@@ -572,10 +609,12 @@ class Crun(Runtime):
             return not state_dir.exists()
         except (OSError, ValueError, KeyError, TypeError):
             return False
-        if not cgroup or process_alive(pid, start):
+        if (not cgroup and not self.rootless) or process_alive(pid, start):
             return False
         base = Path("/sys/fs/cgroup")
         roots = [base, *(p for p in base.iterdir() if p.is_dir() and not p.is_symlink())]
+        if not cgroup:
+            roots = []  # rootless: crun made no cgroup
         for root in roots:
             target = root / cgroup
             if not (target / "cgroup.procs").exists():
