@@ -804,11 +804,16 @@ class Manager:
                 f"backend {impl.name!r} cannot enforce network policy {kind!r} "
                 f"(it enforces: {', '.join(sorted(caps.network)) or 'none'})"
             )
+            if kind in caps.missing:
+                msg += f": {caps.missing[kind]}"
             raise NotSupported(msg)
         asked = {k for k, v in spec.resources.model_dump().items() if v is not None}
-        missing = asked - caps.limits
+        missing = sorted(asked - caps.limits)
         if missing:
-            msg = f"backend {impl.name!r} cannot enforce resource limits: {', '.join(sorted(missing))}"
+            msg = f"backend {impl.name!r} cannot enforce resource limits: {', '.join(missing)}"
+            why = sorted({caps.missing[m] for m in missing if m in caps.missing})
+            if why:
+                msg += f" ({'; '.join(why)})"
             raise NotSupported(msg)
         if spec.image is not None and not caps.images:
             msg = f"backend {impl.name!r} does not support images"
@@ -1817,8 +1822,11 @@ class Manager:
         sb = await self.get(sandbox_id, actor=actor)
         impl = self._backend(sb.backend)
         kind = network if isinstance(network, str) else "allowlist"
-        if kind not in impl.capabilities().network:
+        caps = impl.capabilities()
+        if kind not in caps.network:
             msg = f"backend {sb.backend!r} cannot enforce network policy {kind!r}"
+            if kind in caps.missing:
+                msg += f": {caps.missing[kind]}"
             raise NotSupported(msg)
         control = self._network_control(sb)
         policy_json = network if isinstance(network, str) else network.model_dump(mode="json")

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from sandlot.channel.base import Channel
     from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping, SandboxSpec
 
@@ -55,6 +57,9 @@ class Capabilities:
     """A word on the isolation boundary (``none``, ``namespaces``, ``gvisor``, ``vm``)."""
     host_local: bool = False
     """Sandboxes live on the host that made them (only that host's Manager can reach them)."""
+    missing: Mapping[str, str] = field(default_factory=dict)
+    """Why a network kind or limit is not offered, and its fix, by its name (``allow-all``,
+    ``memory_mb``, …): a refusal quotes it, so the user learns what to change."""
 
 
 @dataclass(frozen=True)

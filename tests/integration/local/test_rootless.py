@@ -748,6 +748,7 @@ def test_limits_are_refused_before_anything_is_made(user: User, driver: Driver) 
     assert cli["rc"] != 0
     assert "Traceback" not in cli["stderr"]
     assert "memory_mb" in cli["stderr"], cli
+    assert "run sandlot as root" in cli["stderr"], cli  # the refusal says what to change
     cli = driver("cli", args=["run", "--network", "deny-all", "--", "id", "-u"])
     assert (cli["rc"], cli["stdout"]) == (0, "0\n"), cli
 

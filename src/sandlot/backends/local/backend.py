@@ -394,11 +394,20 @@ class LocalBackend:
         """
         if self._idmap is not None:
             kinds = {"deny-all"}
-            if rootless.slirp_problem() is None:
+            slirp = rootless.slirp_problem()
+            if slirp is None:
                 kinds.add("allow-all")
+            no_limits = (
+                "rootless sandboxes have no cgroups of their own; run sandlot as root for limits"
+            )
+            missing = dict.fromkeys(("vcpus", "memory_mb", "pids", "disk_mb"), no_limits)
+            missing["allowlist"] = "rootless sandboxes have no egress proxy; run sandlot as root"
+            if slirp is not None:
+                missing["allow-all"] = f"{slirp}; or ask for network 'deny-all'"
             return Capabilities(
                 network=frozenset(kinds),
                 limits=frozenset(),
+                missing=missing,
                 pause_memory=False,
                 snapshot=True,
                 fork=True,
