@@ -1,7 +1,9 @@
 """The host-side egress proxy, the port forwarder, and the daemon that runs them detached.
 
 This module owns the data path of a sandbox's network: :class:`EgressProxy` (HTTP absolute-form
-requests and ``CONNECT`` tunnels, checked by host name and by resolved address, TLS end to end),
+requests and ``CONNECT`` tunnels, checked by host name and by resolved address, TLS end to end;
+listening on the host side of a sandbox's veth, or on a unix socket for a sandbox that has no
+veth, such as a microVM whose user-mode network forwards the proxy address to that socket),
 :class:`PortForwarder` (a host port into a port on the sandbox's own loopback, through its
 network namespace) and :class:`NetDaemon`, which hosts both for every sandbox of one state
 directory in a single small process that outlives the CLI (``python -m sandlot.network.proxy
@@ -23,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -134,7 +137,8 @@ class _BadRequest(Exception):
 
 @final
 class EgressProxy:
-    """One sandbox's egress proxy: a listener on the host side of the sandbox's veth.
+    """One sandbox's egress proxy: a listener on the host side of the sandbox's veth, or on a
+    unix socket that only the sandbox's own plumbing connects to (``unix_path``).
 
     Every connection is decided by the current policy when it is opened; :meth:`update_policy`
     swaps the policy for connections opened afterwards. Events go to the JSONL log (if any)
@@ -155,6 +159,7 @@ class EgressProxy:
         log_path: Path | None = None,
         on_event: EventCallback | None = None,
         connect_timeout: float = _CONNECT_TIMEOUT,
+        unix_path: Path | None = None,
     ) -> None:
         """Args:
         sandbox_id: whose proxy this is (stamped on every event).
@@ -163,6 +168,9 @@ class EgressProxy:
         port: the port to bind (0: any free port).
         allowed_peer: the only client address served (the sandbox side of the veth); None
             serves any client (tests and embedded use only).
+        unix_path: listen on this unix socket instead of ``listen``/``port`` (mode 0600; only
+            clients running as this process's user are served). Any stale file there is
+            replaced, and the file is removed on :meth:`aclose`.
         resolver: how names are resolved (default: the host's resolver).
         internal_networks: other sandboxes' address ranges, never connected to.
         local_addresses: the host's own addresses (shared between proxies in one daemon).
@@ -182,6 +190,8 @@ class EgressProxy:
         self._log: IO[str] | None = None
         self._on_event = on_event
         self._connect_timeout = connect_timeout
+        self._unix_path = unix_path
+        self._unix_ino: int | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -192,12 +202,20 @@ class EgressProxy:
 
     @property
     def address(self) -> tuple[str, int]:
-        """The bound address and port (after :meth:`start`)."""
+        """The bound address and port (after :meth:`start`); a unix listener's is its path and
+        port 0."""
         if self._server is None or not self._server.sockets:
             msg = "proxy not started"
             raise RuntimeError(msg)
+        if self._unix_path is not None:
+            return str(self._unix_path), 0
         name = self._server.sockets[0].getsockname()
         return str(name[0]), int(name[1])
+
+    @property
+    def unix_path(self) -> Path | None:
+        """The unix socket served, or None for a TCP listener."""
+        return self._unix_path
 
     def update_policy(self, policy: CompiledPolicy) -> None:
         """Decide connections opened from now on by ``policy`` (open tunnels are kept)."""
@@ -209,6 +227,13 @@ class EgressProxy:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
             # One short append per connection to a local file: not worth a thread hop.
             self._log = open(self._log_path, "a", buffering=1, encoding="utf-8")  # noqa: ASYNC230, SIM115
+        if self._unix_path is not None:
+            sock = bind_unix(self._unix_path)
+            self._unix_ino = _ino(self._unix_path)
+            self._server = await asyncio.start_unix_server(
+                self._serve, sock=sock, limit=_HEAD_LIMIT
+            )
+            return
         try:
             self._server = await asyncio.start_server(
                 self._serve, self._listen, self._port, limit=_HEAD_LIMIT, reuse_address=True
@@ -222,7 +247,7 @@ class EgressProxy:
             )
 
     async def aclose(self) -> None:
-        """Stop listening and cut every open connection."""
+        """Stop listening and cut every open connection (a unix socket file is removed)."""
         if self._server is not None:
             self._server.close()
         for t in list(self._tasks):
@@ -233,6 +258,12 @@ class EgressProxy:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
             self._server = None
+        if self._unix_path is not None and self._unix_ino is not None:
+            # Only our own file: a listener started since on the same path keeps its socket.
+            if _ino(self._unix_path) == self._unix_ino:
+                with contextlib.suppress(OSError):
+                    self._unix_path.unlink()
+            self._unix_ino = None
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -278,7 +309,17 @@ class EgressProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        if self.allowed_peer is not None and (not peer or peer[0] != self.allowed_peer):
+        if self._unix_path is not None:
+            uid = _peer_uid(writer)
+            if uid != os.getuid():
+                # The file mode already keeps other users out; this holds even if it was changed.
+                self._emit(
+                    self._event(
+                        "", 0, "", Verdict(False, "foreign_client"), addresses=[f"uid {uid}"]
+                    )
+                )
+                return
+        elif self.allowed_peer is not None and (not peer or peer[0] != self.allowed_peer):
             # Anyone else on the host who finds the port gets nothing, not even an error page.
             self._emit(
                 self._event("", 0, "", Verdict(False, "foreign_client"), addresses=[str(peer)])
@@ -426,6 +467,60 @@ class EgressProxy:
             body.cancel()
             with contextlib.suppress(BaseException):
                 await body
+
+
+_SUN_PATH_MAX = 107
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """A unix stream socket bound to ``path`` (mode 0600, any stale file replaced), listening.
+
+    ``sun_path`` holds 107 bytes; a longer path is bound through ``/proc/self/fd`` and a
+    descriptor of its directory, which names the same file.
+    """
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dir_fd: int | None = None
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        target = str(path)
+        if len(target.encode()) > _SUN_PATH_MAX:
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            target = f"/proc/self/fd/{dir_fd}/{path.name}"
+        # The mode is set at creation: a chmod after bind leaves a moment in which another
+        # user could connect. The daemon is one thread when this runs.
+        old = os.umask(0o177)
+        try:
+            s.bind(target)
+        finally:
+            os.umask(old)
+        s.listen(128)
+        s.setblocking(False)
+    except BaseException:
+        s.close()
+        raise
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+    return s
+
+
+def _ino(path: Path) -> int | None:
+    try:
+        return path.lstat().st_ino
+    except OSError:
+        return None
+
+
+def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return None
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return int(struct.unpack("3i", creds)[1])
 
 
 def _parse_head(head: bytes) -> tuple[str, str, list[tuple[str, str]]]:
@@ -849,12 +944,15 @@ class NetDaemon:
             await fwd.aclose()
 
     def status(self, sid: str) -> dict[str, object]:
-        """What one sandbox has running: the proxy's port and the bound forwards."""
+        """What one sandbox has running: the proxy's port (or unix socket) and the bound
+        forwards."""
         svc = self._sandboxes.get(sid)
         if svc is None:
-            return {"proxy_port": None, "ports": []}
+            return {"proxy_port": None, "proxy_unix": None, "ports": []}
+        unix = svc.proxy.unix_path if svc.proxy is not None else None
         return {
-            "proxy_port": svc.proxy.address[1] if svc.proxy is not None else None,
+            "proxy_port": svc.proxy.address[1] if svc.proxy is not None and unix is None else None,
+            "proxy_unix": str(unix) if unix is not None else None,
             "ports": [
                 {"port": f.port, "host": f.host, "host_port": f.host_port}
                 for f in (svc.forwards or {}).values()
@@ -885,12 +983,12 @@ class NetDaemon:
                 svc.proxy = None
             return
         policy = compile_policy(state.get("policy", "deny-all"))  # type: ignore[arg-type]
-        where = (want["listen"], want["port"], want.get("peer"))
         old = svc.state.get("proxy")
         if (
             svc.proxy is not None
             and isinstance(old, dict)
-            and (old["listen"], old["port"], old.get("peer")) == where
+            and _where(old) == _where(want)
+            and (want.get("unix") is None or _ino(Path(str(want["unix"]))) is not None)
         ):
             svc.proxy.update_policy(policy)
             return
@@ -898,16 +996,18 @@ class NetDaemon:
             await svc.proxy.aclose()
             svc.proxy = None
         log = state.get("log")
+        unix = want.get("unix")
         proxy = EgressProxy(
             sid,
             policy,
-            listen=str(want["listen"]),
-            port=int(want["port"]),
+            listen=str(want.get("listen", "127.0.0.1")),
+            port=int(str(want.get("port", 0))),
             allowed_peer=None if want.get("peer") is None else str(want["peer"]),
             resolver=self._resolver,
             internal_networks=self._internal,
             local_addresses=self._local,
             log_path=Path(str(log)) if log else None,
+            unix_path=Path(str(unix)) if unix else None,
         )
         await proxy.start()
         svc.proxy = proxy
@@ -964,6 +1064,13 @@ class NetDaemon:
             self.request_stop()
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def _where(proxy: dict[str, object]) -> tuple[object, ...]:
+    """What identifies a proxy's listener in a state file (changing it means a new listener)."""
+    if proxy.get("unix"):
+        return ("unix", proxy["unix"])
+    return ("tcp", proxy.get("listen"), proxy.get("port"), proxy.get("peer"))
 
 
 def _resolver_for(nameserver: str | None) -> Resolver:

@@ -26,7 +26,13 @@ from typing import Literal, final
 
 import anyio.to_thread
 
-from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest, NotFound
+from sandlot.errors import (
+    BackendError,
+    BackendUnavailable,
+    InvalidRequest,
+    NotFound,
+    NotSupported,
+)
 from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping
 from sandlot.network import netns
 from sandlot.network.policy import EgressEvent, policy_to_json, suggest
@@ -84,6 +90,10 @@ class SandboxNetwork:
     """Sandbox side of the veth, on ``eth0`` (None for deny-all)."""
     proxy_url: str | None
     """``http://HOST:PORT`` of the egress proxy (allowlist only)."""
+    proxy_socket: str | None = None
+    """The unix socket the egress proxy serves (a sandbox prepared with
+    :meth:`SandboxNetworks.prepare_unix`; it has no namespace, veth or ``proxy_url``: the
+    backend knows the address its sandbox reaches that socket by)."""
 
     def env(self) -> dict[str, str]:
         """Environment to merge into every command started inside (empty unless allowlist)."""
@@ -148,15 +158,37 @@ class SandboxNetworks:
         starts the sandbox, and again on every resume."""
         return await anyio.to_thread.run_sync(self.prepare_sync, sandbox_id, policy)
 
+    async def prepare_unix(
+        self, sandbox_id: str, policy: NetworkPolicy, socket_path: Path
+    ) -> SandboxNetwork:
+        """Serve the sandbox's egress proxy on a unix socket instead of a veth.
+
+        For a sandbox with no network namespace of its own, such as a microVM whose user-mode
+        network forwards one guest address to ``socket_path`` and drops everything else. The
+        proxy decides, logs and follows :meth:`update_policy` exactly as on a veth; ``policy``
+        may be any kind (``deny-all`` refuses every connection, ``allow-all`` lets through
+        everything that is not protected). Needs neither root nor ``ip``/``nft``; the socket
+        is mode 0600 and served to this user only. Idempotent (call again after a restart).
+        """
+        return await anyio.to_thread.run_sync(
+            self.prepare_unix_sync, sandbox_id, policy, socket_path
+        )
+
     async def update_policy(self, sandbox_id: str, policy: NetworkPolicy) -> SandboxNetwork:
         """Change the policy of a prepared sandbox; new connections follow it at once.
 
         Raises:
             NotFound: the sandbox was never prepared.
         """
-        if self._load(sandbox_id) is None:
+        st = self._load(sandbox_id)
+        if st is None:
             msg = f"no network for sandbox {sandbox_id}"
             raise NotFound(msg)
+        unix = _unix_socket(st)
+        if unix is not None:
+            return await anyio.to_thread.run_sync(
+                self.prepare_unix_sync, sandbox_id, policy, Path(unix)
+            )
         return await anyio.to_thread.run_sync(self.prepare_sync, sandbox_id, policy)
 
     async def teardown(self, sandbox_id: str, *, keep_log: bool = False) -> None:
@@ -246,6 +278,9 @@ class SandboxNetworks:
         kind = _kind(policy)
         with self._locked():
             prior = self._load(sandbox_id)
+            if prior is not None and _unix_socket(prior) is not None:
+                msg = f"sandbox {sandbox_id} is served on a socket; it has no namespace to prepare"
+                raise InvalidRequest(msg)
             # Read before ``st`` (the same dict) takes the new policy.
             prior_policy = prior.get("policy") if prior is not None else None
             st = prior or {"sandbox_id": sandbox_id, "ports": []}
@@ -284,8 +319,39 @@ class SandboxNetworks:
             self._sync_daemon(sandbox_id, st, names)
             return self._view(sandbox_id, st)
 
+    def prepare_unix_sync(
+        self, sandbox_id: str, policy: NetworkPolicy, socket_path: Path
+    ) -> SandboxNetwork:
+        """Blocking :meth:`prepare_unix` (a few milliseconds once the daemon runs)."""
+        socket_path = Path(socket_path).absolute()
+        with self._locked():
+            prior = self._load(sandbox_id)
+            if prior is not None and _unix_socket(prior) is None:
+                msg = f"sandbox {sandbox_id} has a namespace network; it cannot move to a socket"
+                raise InvalidRequest(msg)
+            st = prior or {"sandbox_id": sandbox_id, "ports": []}
+            st.update(
+                transport="unix",
+                policy=policy_to_json(policy),
+                log=str(self.log_path(sandbox_id)),
+                proxy={"unix": str(socket_path)},
+            )
+            self._save(sandbox_id, st)
+            try:
+                self._sync_daemon(sandbox_id, st, netns.names_for(sandbox_id))
+            except BaseException:
+                if prior is None:
+                    # Nothing serves it: leave no state that would make the daemon retry.
+                    self._state_path(sandbox_id).unlink(missing_ok=True)
+                raise
+            return self._view(sandbox_id, st)
+
     def teardown_sync(self, sandbox_id: str, keep_log: bool = False) -> None:
         """Blocking :meth:`teardown`."""
+        prior = self._load(sandbox_id)
+        if prior is not None and _unix_socket(prior) is not None:
+            self._teardown_unix(sandbox_id, keep_log)
+            return
         self._require()
         names = netns.names_for(sandbox_id)
         with self._locked():
@@ -307,6 +373,23 @@ class SandboxNetworks:
             if daemon and not self._anyone_needs_daemon():
                 self._stop_daemon()
 
+    def _teardown_unix(self, sandbox_id: str, keep_log: bool) -> None:
+        with self._locked():
+            prior = self._load(sandbox_id)
+            self._state_path(sandbox_id).unlink(missing_ok=True)
+            alive = self._ping() is not None
+            if alive:
+                # The daemon closes the listener and removes the socket file.
+                self._control({"op": "sync", "sandbox_id": sandbox_id})
+            unix = _unix_socket(prior) if prior is not None else None
+            if unix is not None and not alive:
+                Path(unix).unlink(missing_ok=True)
+            if not keep_log:
+                self.log_path(sandbox_id).unlink(missing_ok=True)
+            daemon = alive or self._daemon_pid() is not None
+            if daemon and not self._anyone_needs_daemon():
+                self._stop_daemon()
+
     def expose_port_sync(self, sandbox_id: str, port: int, host: str = "127.0.0.1") -> PortMapping:
         """Blocking :meth:`expose_port`."""
         if not 1 <= port <= 65535:
@@ -314,6 +397,9 @@ class SandboxNetworks:
             raise InvalidRequest(msg)
         with self._locked():
             st = self._require_state(sandbox_id)
+            if _unix_socket(st) is not None:
+                msg = f"sandbox {sandbox_id} has no network namespace to publish a port from"
+                raise NotSupported(msg)
             ports: list[JsonValue] = [p for p in _ports(st) if p["port"] != port]
             ports.append({"port": port, "host": host, "host_port": 0})
             st["ports"] = ports
@@ -431,6 +517,18 @@ class SandboxNetworks:
         kind = _kind(
             raw if raw in ("allow-all", "deny-all") else NetworkAllowlist.model_validate(raw)  # type: ignore[arg-type]
         )
+        unix = _unix_socket(st)
+        if unix is not None:
+            return SandboxNetwork(
+                sandbox_id=sandbox_id,
+                kind=kind,
+                netns="",
+                netns_path="",
+                host_address=None,
+                sandbox_address=None,
+                proxy_url=None,
+                proxy_socket=unix,
+            )
         proxy = st.get("proxy")
         url = f"http://{proxy['listen']}:{proxy['port']}" if isinstance(proxy, dict) else None
         has_veth = kind != "deny-all"
@@ -466,6 +564,10 @@ class SandboxNetworks:
         reply = self._control({"op": "sync", "sandbox_id": sandbox_id})
         changed = False
         proxy = st.get("proxy")
+        unix = _unix_socket(st)
+        if unix is not None and reply.get("proxy_unix") != unix:
+            msg = f"the egress daemon does not serve {unix} (see {self.state_dir / 'netd.log'})"
+            raise BackendError(msg)
         got = reply.get("proxy_port")
         if isinstance(proxy, dict) and isinstance(got, int) and got != proxy.get("port"):
             # The wanted port was taken on that address: follow what the daemon bound.
@@ -616,6 +718,13 @@ def _tail(path: Path, n: int = 5) -> str:
 def _ports(st: dict[str, JsonValue]) -> list[dict[str, JsonValue]]:
     raw = st.get("ports")
     return [p for p in raw if isinstance(p, dict)] if isinstance(raw, list) else []
+
+
+def _unix_socket(st: dict[str, JsonValue]) -> str | None:
+    proxy = st.get("proxy")
+    if st.get("transport") == "unix" and isinstance(proxy, dict) and proxy.get("unix"):
+        return str(proxy["unix"])
+    return None
 
 
 def _kind(policy: NetworkPolicy) -> Literal["allow-all", "deny-all", "allowlist"]:

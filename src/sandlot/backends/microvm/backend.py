@@ -18,6 +18,8 @@ State directory layout (everything another process needs to find a VM again)::
         template.json        the baseline: disk hash, guest fd count, VMM state
     snapshots/<snapshot_id>/ mem.bin (full migration stream), disk.qcow2, snapshot.json
     pool/<fingerprint>/pool-*/  warm VMs (restored, clock set, exec path warmed) to claim
+    egress/<token>.sock      a VM's egress proxy socket (served by the network daemon)
+    network/                 the network service's state (:class:`SandboxNetworks`)
     boot-stats.json          cold boots and how many needed the retry after a hang
 
 How a clone stays consistent with its template. The template boots once, the agent answers,
@@ -43,6 +45,28 @@ sets it with one ``date -s`` exec (which also pays TCG's translation warm-up, so
 first exec is warm). Under TCG that exec dominates a create; a warm pool (``pool_size``) moves
 it out of the create path: create then renames a ready VM's directory (a few ms).
 
+Network. A ``deny-all`` VM has no NIC at all. Any other policy gives the VM one virtio-net NIC
+on QEMU's user-mode network, in one of two modes fixed at create:
+
+- ``proxy`` (allowlists): the user-mode network is restricted (``restrict=on``), so the guest
+  reaches nothing but :data:`~sandlot.backends.microvm.qemu.PROXY_ADDRESS`, which QEMU forwards
+  (one ``socat`` per connection) to a unix socket where the network daemon's egress proxy for
+  this sandbox listens (:meth:`SandboxNetworks.prepare_unix`). Raw TCP is reset, UDP and DNS are
+  dropped, and the guest has no default route. Needs ``socat``, not root.
+- ``nat`` (``allow-all``): unrestricted user-mode NAT, with QEMU started inside the sandbox's
+  own network namespace from :meth:`SandboxNetworks.prepare`, so the namespace's firewall
+  (no host, loopback, link-local, other sandboxes) decides what the NAT reaches; the gateway
+  address that user-mode networking maps to "the host's loopback" is the namespace's empty one.
+  Needs root, ``ip`` and ``nft``. Any policy kind can follow at run time: the namespace is
+  re-prepared (an allowlist then reaches the proxy on the namespace's veth through the NAT).
+
+The guest's side (address, no default route, no IPv6) is set by the image's ``/init``, so one
+template with a NIC serves both modes; ``nat`` adds the default route and a resolver after every
+restore. A template or snapshot with a NIC only restores into a VM with one (QEMU loads device
+state only into the same devices): the template fingerprint includes the NIC, and restoring or
+forking across the two fails with :class:`NotSupported`. Commands started through
+:meth:`MicrovmBackend.channel` get ``HTTP_PROXY``/``HTTPS_PROXY``/``NO_PROXY`` (both cases).
+
 Agent connections: QEMU's socket for the virtio-serial port serves one host connection at a
 time, and the guest only learns that the host hung up when its read returns end-of-file. The
 connection an operation ends with is therefore handed to the next :meth:`channel` call of the
@@ -57,6 +81,7 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -71,7 +96,15 @@ import anyio
 from sandlot import config
 from sandlot.backends.base import BackendState, Capabilities, DoctorCheck, SnapshotRef
 from sandlot.backends.microvm import qemu
-from sandlot.backends.microvm.image import ImagePaths, load_image, resolve_image
+from sandlot.backends.microvm.channel import NetworkEnvChannel
+from sandlot.backends.microvm.image import (
+    GUEST_BUSYBOX,
+    GUEST_GATEWAY,
+    GUEST_NAMESERVER,
+    ImagePaths,
+    load_image,
+    resolve_image,
+)
 from sandlot.backends.microvm.qmp import QmpClient, connect_unix
 from sandlot.channel.base import Channel
 from sandlot.channel.client import connect_stream
@@ -86,7 +119,8 @@ from sandlot.errors import (
     SandboxTimeout,
     VerificationFailed,
 )
-from sandlot.models import JsonValue, PortMapping, SandboxSpec
+from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping, SandboxSpec
+from sandlot.network.service import SandboxNetworks, proxy_env
 
 __all__ = [
     "DEFAULT_MEMORY_MB",
@@ -100,6 +134,28 @@ DEFAULT_MEMORY_MB: Final = 512
 """Guest memory when ``resources.memory_mb`` is unset."""
 
 _WORKDIR: Final = "/workspace"
+
+NetMode = Literal["none", "proxy", "nat"]
+"""How a VM is networked: no NIC, a NIC that reaches only the egress proxy, or NAT inside a
+network namespace (see the module docstring)."""
+
+_PROXY_URL: Final = f"http://{qemu.PROXY_ADDRESS}:{qemu.PROXY_PORT}"
+_POOLED_SOCKET: Final = "egress-socket"
+
+# Run in the guest after every restore of a ``nat`` VM (the template has neither): the default
+# route through user-mode networking's gateway, and its DNS forwarder as the resolver, bound over
+# /etc/resolv.conf from RAM so that the disk (whose hash reset verifies) is not written.
+_NAT_GUEST_SETUP: Final = (
+    f"B={GUEST_BUSYBOX}; $B ip route replace default via {GUEST_GATEWAY} dev eth0 && "
+    "{ $B grep -q ' /etc/resolv.conf ' /proc/mounts || "
+    f"{{ echo 'nameserver {GUEST_NAMESERVER}' > /run/sandlot/resolv.conf && "
+    "$B mount --bind /run/sandlot/resolv.conf /etc/resolv.conf; }; }"
+)
+# The reverse, for a ``proxy`` VM restored from a snapshot of a ``nat`` one.
+_NAT_GUEST_UNDO: Final = (
+    f"B={GUEST_BUSYBOX}; $B ip route del default 2>/dev/null; "
+    "$B umount /etc/resolv.conf 2>/dev/null; true"
+)
 
 # Counts every open descriptor of every process except the counting shell itself, with shell
 # builtins only (no pipeline whose other half may or may not have started: that raced).
@@ -167,6 +223,8 @@ class _Baseline:
     disk_sha256: str
     fd_count: int
     vmm_status: str = "running"
+    guest_nat: bool = False
+    """The guest in this memory image has the ``nat`` setup (route, resolver)."""
 
 
 @dataclass
@@ -178,6 +236,9 @@ class _VmRecord:
     accel: Literal["kvm", "tcg"]
     baseline: _Baseline | None = None
     created_at: float = field(default_factory=time.time)
+    net_mode: NetMode = "none"
+    egress_socket: str | None = None
+    """The unix socket QEMU forwards the proxy address to (``proxy`` mode)."""
 
     @classmethod
     def load(cls, path: Path) -> _VmRecord:
@@ -220,6 +281,28 @@ async def _flock(path: Path) -> AsyncIterator[None]:
         os.close(fd)
 
 
+def _kind(policy: NetworkPolicy) -> Literal["allow-all", "deny-all", "allowlist"]:
+    if isinstance(policy, NetworkAllowlist):
+        return "allowlist"
+    return policy
+
+
+def _mode_for(policy: NetworkPolicy) -> NetMode:
+    kind = _kind(policy)
+    if kind == "deny-all":
+        return "none"
+    return "proxy" if kind == "allowlist" else "nat"
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How one QEMU process is networked: its NIC's arguments and the command prefix that puts
+    it into a network namespace."""
+
+    netdev: list[str] | None = None
+    prefix: tuple[str, ...] = ()
+
+
 @final
 class MicrovmBackend:
     """Sandboxes as QEMU microVMs with a guest agent over virtio-serial.
@@ -234,6 +317,8 @@ class MicrovmBackend:
         pool_size: How many restored, clock-set and warmed-up VMs to keep ready per machine
             config (0: none). A create then claims one by renaming its directory, and a
             detached process refills the pool. Each costs an idle VM's host memory.
+        networks: The network service serving the VMs' egress proxies (and, for ``allow-all``,
+            their network namespaces); default one in ``state_dir/network``.
     """
 
     def __init__(
@@ -245,6 +330,7 @@ class MicrovmBackend:
         boot_timeout: float = 45.0,
         restore_timeout: float = 30.0,
         pool_size: int = 0,
+        networks: SandboxNetworks | None = None,
     ) -> None:
         self._root = state_dir.absolute()
         self._cache = cache_dir or config.cache_dir()
@@ -257,8 +343,10 @@ class MicrovmBackend:
         # reconnecting right after a close can hit the agent's stale session (see
         # _open_channel), which costs a handshake retry.
         self._handover: dict[str, Channel] = {}
-        for sub in ("vms", "templates", "snapshots", "pool"):
+        for sub in ("vms", "templates", "snapshots", "pool", "egress"):
             (self._root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._networks = networks or SandboxNetworks(self._root / "network")
+        self._network_kinds: frozenset[str] | None = None
 
     # ----------------------------------------------------------------- protocol basics
 
@@ -268,9 +356,11 @@ class MicrovmBackend:
         return "microvm"
 
     def capabilities(self) -> Capabilities:
-        """A VM per sandbox: no network, whole vCPUs and guest memory, memory-keeping stop."""
+        """A VM per sandbox: whole vCPUs and guest memory, memory-keeping stop; network
+        ``deny-all`` always, allowlists with ``socat``, ``allow-all`` as root with ``ip`` and
+        ``nft``."""
         return Capabilities(
-            network=frozenset({"deny-all"}),
+            network=self._kinds(),
             limits=frozenset({"vcpus", "memory_mb"}),
             pause_memory=True,
             snapshot=True,
@@ -281,6 +371,21 @@ class MicrovmBackend:
             isolation="vm",
             host_local=True,
         )
+
+    def _kinds(self) -> frozenset[str]:
+        if self._network_kinds is None:
+            kinds = {"deny-all"}
+            if shutil.which("socat"):
+                kinds.add("allowlist")
+            if "allow-all" in self._networks.capabilities() and shutil.which("nsenter"):
+                kinds.add("allow-all")
+            self._network_kinds = frozenset(kinds)
+        return self._network_kinds
+
+    @property
+    def networks(self) -> SandboxNetworks:
+        """The network service this backend's VMs use."""
+        return self._networks
 
     async def aclose(self) -> None:
         """Close the agent connections this object holds (the VMs keep running)."""
@@ -341,15 +446,30 @@ class MicrovmBackend:
         return self._accel.mode
 
     def _machine(self, rec: _VmRecord) -> qemu.MachineConfig:
-        return qemu.MachineConfig(load_image(Path(rec.image)), rec.memory_mb, rec.vcpus, rec.accel)
+        return qemu.MachineConfig(
+            load_image(Path(rec.image)),
+            rec.memory_mb,
+            rec.vcpus,
+            rec.accel,
+            nic=rec.net_mode != "none",
+        )
+
+    def _require_kind(self, policy: NetworkPolicy) -> None:
+        kind = _kind(policy)
+        if kind in self._kinds():
+            return
+        why = {
+            "allowlist": "network allowlists need socat on the host (apt-get install socat)",
+            "allow-all": (
+                "network='allow-all' needs root with ip and nft (QEMU's NAT runs inside a "
+                "network namespace whose firewall keeps the host and link-local addresses out)"
+            ),
+        }.get(kind, f"network policy {kind!r} is not enforced")
+        msg = f"the microvm backend cannot enforce this here: {why}"
+        raise NotSupported(msg, field="network")
 
     def _check_spec(self, spec: SandboxSpec) -> None:
-        if spec.network != "deny-all":
-            msg = "the microvm backend enforces only network='deny-all' (the guest has no NIC)"
-            raise NotSupported(
-                msg,
-                field="network",
-            )
+        self._require_kind(spec.network)
         if spec.ports:
             msg = "the microvm backend cannot expose ports"
             raise NotSupported(msg, field="ports")
@@ -366,7 +486,11 @@ class MicrovmBackend:
             msg = "resources.memory_mb must be at least 128 for a microvm"
             raise InvalidRequest(msg)
         return qemu.MachineConfig(
-            image, memory, qemu.vcpus_for(spec.resources.vcpus), self._accel_for(image)
+            image,
+            memory,
+            qemu.vcpus_for(spec.resources.vcpus),
+            self._accel_for(image),
+            nic=spec.network != "deny-all",
         )
 
     async def _qmp(self, vm_dir: Path) -> QmpClient:
@@ -431,11 +555,11 @@ class MicrovmBackend:
             raise BackendError(msg)
         return result.stdout
 
-    async def _fd_count(self, channel: Channel, *, then_sync_clock: bool = False) -> int:
+    async def _fd_count(self, channel: Channel, *, then: str | None = None) -> int:
         script = _FD_COUNT_SCRIPT
-        if then_sync_clock:
-            # One round trip instead of two; the clock is set after the count is taken.
-            script += f"; date -s @{time.time():.6f} >/dev/null"
+        if then is not None:
+            # One round trip instead of two; ``then`` (the settle script) runs after the count.
+            script += f"; {then} >/dev/null"
         out = await self._guest_sh(channel, script)
         try:
             return int(out.strip())
@@ -443,9 +567,73 @@ class MicrovmBackend:
             msg = f"the guest fd count is not a number: {out!r}"
             raise BackendError(msg) from None
 
-    async def _sync_clock(self, channel: Channel) -> None:
-        # A restored guest's clock resumes from the instant its memory was saved.
-        await self._guest_sh(channel, f"date -s @{time.time():.6f} >/dev/null")
+    def _settle_script(self, net_mode: NetMode, *, guest_nat: bool = False) -> str:
+        """What a guest needs after a restore: the clock (it resumes from the instant its
+        memory was saved) and the ``nat`` guest setup (or its removal from a ``nat`` image)."""
+        script = f"date -s @{time.time():.6f} >/dev/null"
+        if net_mode == "nat":
+            script += f"; {_NAT_GUEST_SETUP}"
+        elif guest_nat:
+            script += f"; {_NAT_GUEST_UNDO}"
+        return f"{{ {script}; }}"
+
+    async def _sync_clock(
+        self, channel: Channel, net_mode: NetMode = "none", *, guest_nat: bool = False
+    ) -> None:
+        await self._guest_sh(channel, self._settle_script(net_mode, guest_nat=guest_nat))
+
+    # ----------------------------------------------------------------- network plumbing
+
+    def _new_egress_socket(self) -> str:
+        # Not in the VM directory: a pooled VM's directory is renamed when it is claimed, and
+        # QEMU keeps the path it was started with. Short, so socat can use it as it is.
+        return str(self._root / "egress" / f"{secrets.token_hex(6)}.sock")
+
+    def _launch(self, ref: str, net_mode: NetMode, egress_socket: str | None) -> _Launch:
+        if net_mode == "none":
+            return _Launch()
+        if net_mode == "proxy":
+            sock = Path(egress_socket) if egress_socket else None
+            return _Launch(qemu.user_netdev(restrict=True, proxy_socket=sock))
+        netns_path = self._networks.get(ref).netns_path
+        return _Launch(
+            qemu.user_netdev(restrict=False, proxy_socket=None),
+            ("nsenter", f"--net={netns_path}", "--"),
+        )
+
+    def _launch_of(self, rec: _VmRecord) -> _Launch:
+        return self._launch(rec.sandbox_id, rec.net_mode, rec.egress_socket)
+
+    async def _prepare_network(
+        self, ref: str, net_mode: NetMode, policy: NetworkPolicy, egress_socket: str | None
+    ) -> None:
+        """Make the host side of the VM's network serve ``policy`` (idempotent: also after a
+        host reboot or a crashed daemon)."""
+        if net_mode == "proxy":
+            assert egress_socket is not None
+            await self._networks.prepare_unix(ref, policy, Path(egress_socket))
+        elif net_mode == "nat":
+            await self._networks.prepare(ref, policy)
+
+    def _has_network(self, ref: str) -> bool:
+        try:
+            self._networks.get(ref)
+        except NotFound:
+            return False
+        return True
+
+    async def _teardown_network(self, ref: str) -> None:
+        if self._has_network(ref):
+            await self._networks.teardown(ref)
+
+    def _guest_env(self, rec: _VmRecord) -> dict[str, str]:
+        if rec.net_mode == "proxy":
+            return proxy_env(_PROXY_URL)
+        try:
+            # Read per command: a nat VM's policy (and so its proxy) can change at run time.
+            return self._networks.env(rec.sandbox_id)
+        except NotFound:
+            return {}
 
     def _note_boot(self, *, retried: bool) -> None:
         path = self._root / "boot-stats.json"
@@ -460,14 +648,15 @@ class MicrovmBackend:
         tmp.replace(path)
 
     async def _cold_boot(
-        self, vm_dir: Path, machine: qemu.MachineConfig, disk: Path, ram: list[str]
+        self, vm_dir: Path, machine: qemu.MachineConfig, disk: Path, ram: list[str], net: _Launch
     ) -> Channel:
         """Boot from the disk until the agent answers; one retry after a hang."""
         last: SandboxError | None = None
         for attempt in range(2):
             with contextlib.suppress(FileNotFoundError):
                 (vm_dir / qemu.SERIAL_LOG).unlink()
-            await qemu.launch(vm_dir, machine.argv(vm_dir, disk, ram=ram))
+            argv = machine.argv(vm_dir, disk, ram=ram, netdev=net.netdev)
+            await qemu.launch(vm_dir, [*net.prefix, *argv])
             try:
                 channel = await self._open_channel(vm_dir, self._boot_timeout)
             except SandboxError as e:
@@ -506,7 +695,14 @@ class MicrovmBackend:
         disk = work / "disk.qcow2"
         await _create_overlay(machine.image, disk)
         ram = machine.ram_file(work / "ram.img", shared=True)
-        channel = await self._cold_boot(work, machine, disk, ram)
+        # A NIC on a restricted network forwarding nothing: the guest configures it at boot
+        # and the device state is what every clone's NIC loads, whatever its mode.
+        net = (
+            _Launch(qemu.user_netdev(restrict=True, proxy_socket=None))
+            if machine.nic
+            else _Launch()
+        )
+        channel = await self._cold_boot(work, machine, disk, ram, net)
         async with await self._qmp(work) as q:
             try:
                 # Dirty pages written now land in the overlay before it is frozen, not later in
@@ -531,6 +727,7 @@ class MicrovmBackend:
         vm_dir: Path,
         machine: qemu.MachineConfig,
         source: Path,
+        net: _Launch,
         *,
         verify_disk: str | None = None,
     ) -> tuple[Channel, str | None]:
@@ -545,11 +742,13 @@ class MicrovmBackend:
         template = source.is_dir() and (source / "state.bin").exists()  # noqa: ASYNC240
         if template:
             ram = machine.ram_file(source / "ram.img", shared=False)
-            argv = machine.argv(vm_dir, disk, ram=ram, incoming_defer=True)
+            argv = machine.argv(vm_dir, disk, ram=ram, incoming_defer=True, netdev=net.netdev)
         else:
             mem = source / "mem.bin" if source.is_dir() else source  # noqa: ASYNC240
-            argv = machine.argv(vm_dir, disk, ram=machine.ram_anonymous(), incoming=mem)
-        await qemu.launch(vm_dir, argv)
+            argv = machine.argv(
+                vm_dir, disk, ram=machine.ram_anonymous(), incoming=mem, netdev=net.netdev
+            )
+        await qemu.launch(vm_dir, [*net.prefix, *argv])
         disk_hash: str | None = None
         try:
             async with await self._qmp(vm_dir) as q:
@@ -582,23 +781,23 @@ class MicrovmBackend:
 
     async def create(self, sandbox_id: str, spec: SandboxSpec) -> str:
         """Restore a booted template into a new VM with its own overlay (cold boot once per
-        machine config to make the template)."""
+        machine config to make the template), networked for ``spec.network``."""
         self._check_spec(spec)
         vm_dir = self._vm_dir(sandbox_id)
         machine = self._machine_for(spec)
+        mode = _mode_for(spec.network)
         async with _flock(self._root / "vms" / f"{sandbox_id}.lock"):
             if (vm_dir / "vm.json").exists():
                 # A retried create adopts what the first attempt made.
                 if not qemu.is_running(vm_dir):
-                    await self._start_locked(sandbox_id)
+                    await self._start_locked(sandbox_id, spec.network)
                 return sandbox_id
             tdir = await self._template(machine)
-            if self._pool_size and await self._claim(machine, vm_dir):
+            # A pooled VM with a NIC runs in proxy mode: a nat VM lives in a namespace named
+            # after its sandbox, which a pooled one does not know yet.
+            if self._pool_size and mode != "nat" and await self._claim(machine, vm_dir):
                 try:
-                    if spec.workdir != _WORKDIR:
-                        channel = await self._agent(sandbox_id, vm_dir)
-                        self._keep(sandbox_id, channel)
-                        await channel.mkdir(spec.workdir)
+                    socket = _pooled_socket(vm_dir) if mode == "proxy" else None
                     rec = _VmRecord(
                         sandbox_id,
                         str(machine.image.directory),
@@ -606,22 +805,35 @@ class MicrovmBackend:
                         machine.vcpus,
                         machine.accel,
                         self._baseline_of(tdir),
+                        net_mode=mode,
+                        egress_socket=socket,
                     )
+                    await self._prepare_network(sandbox_id, mode, spec.network, socket)
+                    if spec.workdir != _WORKDIR:
+                        channel = await self._agent(sandbox_id, vm_dir)
+                        self._keep(sandbox_id, channel)
+                        await channel.mkdir(spec.workdir)
                     rec.save(vm_dir / "vm.json")
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await self._drop(sandbox_id)
                         await qemu.kill_vm(vm_dir)
                         shutil.rmtree(vm_dir, ignore_errors=True)
+                        await self._teardown_network(sandbox_id)
                     raise
                 self._spawn_refill(machine)
                 return sandbox_id
             vm_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            socket = self._new_egress_socket() if mode == "proxy" else None
             try:
+                # The host side first: the listener (or namespace) exists before the guest runs.
+                await self._prepare_network(sandbox_id, mode, spec.network, socket)
                 _copy(tdir / "disk.qcow2", vm_dir / "disk.qcow2")
-                channel, _ = await self._restore_into(vm_dir, machine, tdir)
+                channel, _ = await self._restore_into(
+                    vm_dir, machine, tdir, self._launch(sandbox_id, mode, socket)
+                )
                 try:
-                    await self._sync_clock(channel)
+                    await self._sync_clock(channel, mode)
                     if spec.workdir != _WORKDIR:
                         await channel.mkdir(spec.workdir)
                 except BaseException:
@@ -635,14 +847,17 @@ class MicrovmBackend:
                     machine.vcpus,
                     machine.accel,
                     self._baseline_of(tdir),
+                    net_mode=mode,
+                    egress_socket=socket,
                 )
                 rec.save(vm_dir / "vm.json")
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await qemu.kill_vm(vm_dir)
                     shutil.rmtree(vm_dir, ignore_errors=True)
+                    await self._teardown_network(sandbox_id)
                 raise
-        if self._pool_size:
+        if self._pool_size and mode != "nat":
             self._spawn_refill(machine)
         return sandbox_id
 
@@ -675,9 +890,18 @@ class MicrovmBackend:
 
     async def fill_pool(self, spec: SandboxSpec | None = None) -> int:
         """Top the warm pool for ``spec``'s machine config up to ``pool_size``; returns how
-        many VMs it started. Another process already filling it makes this return 0."""
-        machine = self._machine_for(spec or SandboxSpec(network="deny-all"))
-        return await self._fill(machine)
+        many VMs it started. Another process already filling it makes this return 0.
+
+        Raises:
+            NotSupported: ``spec.network`` is ``allow-all`` (such a VM runs in a network
+                namespace named after its sandbox, so it cannot be made in advance).
+        """
+        spec = spec or SandboxSpec(network="deny-all")
+        if _mode_for(spec.network) == "nat":
+            msg = "allow-all microVMs are not pooled (each runs in its own network namespace)"
+            raise NotSupported(msg)
+        self._require_kind(spec.network)
+        return await self._fill(self._machine_for(spec))
 
     async def _fill(self, machine: qemu.MachineConfig) -> int:
         pool = self._pool_dir(machine)
@@ -699,7 +923,13 @@ class MicrovmBackend:
                 work.mkdir()
                 try:
                     _copy(tdir / "disk.qcow2", work / "disk.qcow2")
-                    channel, _ = await self._restore_into(work, machine, tdir)
+                    net = _Launch()
+                    if machine.nic:
+                        # Its proxy socket is served once a sandbox claims it.
+                        socket = self._new_egress_socket()
+                        (work / _POOLED_SOCKET).write_text(socket)
+                        net = self._launch(name, "proxy", socket)
+                    channel, _ = await self._restore_into(work, machine, tdir, net)
                     try:
                         # Sets the clock and, as the first exec in this QEMU, pays TCG's
                         # translation warm-up so the claimer's first exec does not.
@@ -724,6 +954,7 @@ class MicrovmBackend:
             sys.executable, "-m", "sandlot.backends.microvm.pool",
             str(self._root), str(self._cache), str(machine.image.directory),
             str(machine.memory_mb), str(machine.vcpus), machine.accel, str(self._pool_size),
+            "nic" if machine.nic else "none",
         ]  # fmt: skip
         subprocess.Popen(
             argv,
@@ -744,13 +975,15 @@ class MicrovmBackend:
                     shutil.rmtree(entry, ignore_errors=True)
 
     async def start(self, ref: str, spec: SandboxSpec) -> None:
-        """Resume a stopped VM from its saved memory (cold boot from its disk if none)."""
+        """Resume a stopped VM from its saved memory (cold boot from its disk if none); its
+        network serves ``spec.network`` again (rebuilt after a host reboot)."""
         async with _flock(self._root / "vms" / f"{ref}.lock"):
-            await self._start_locked(ref)
+            await self._start_locked(ref, spec.network)
 
-    async def _start_locked(self, ref: str) -> None:
+    async def _start_locked(self, ref: str, policy: NetworkPolicy) -> None:
         vm_dir = self._vm_dir(ref)
         rec = self._record(ref)
+        await self._prepare_network(ref, rec.net_mode, policy, rec.egress_socket)
         if qemu.is_running(vm_dir):
             async with await self._qmp(vm_dir) as q:
                 # A snapshot interrupted half-way leaves the VM paused or post-migration.
@@ -759,15 +992,16 @@ class MicrovmBackend:
             return
         machine = self._machine(rec)
         mem = vm_dir / "mem.bin"
+        net = self._launch_of(rec)
         if mem.exists():
-            channel, _ = await self._restore_into(vm_dir, machine, mem)
+            channel, _ = await self._restore_into(vm_dir, machine, mem, net)
             mem.unlink()
         else:
             channel = await self._cold_boot(
-                vm_dir, machine, vm_dir / "disk.qcow2", machine.ram_anonymous()
+                vm_dir, machine, vm_dir / "disk.qcow2", machine.ram_anonymous(), net
             )
         try:
-            await self._sync_clock(channel)
+            await self._sync_clock(channel, rec.net_mode)
         except BaseException:
             await channel.close()
             raise
@@ -789,12 +1023,14 @@ class MicrovmBackend:
             part.replace(vm_dir / "mem.bin")
 
     async def destroy(self, ref: str) -> None:
-        """Kill QEMU and remove every file of the VM (a missing VM is fine)."""
+        """Kill QEMU, remove every file of the VM and its network (proxy listener and socket,
+        namespace); a missing VM is fine."""
         vm_dir = self._vm_dir(ref)
         async with _flock(self._root / "vms" / f"{ref}.lock"):
             await self._drop(ref)
             await qemu.kill_vm(vm_dir)
             shutil.rmtree(vm_dir, ignore_errors=True)
+            await self._teardown_network(ref)
         with contextlib.suppress(FileNotFoundError):
             (self._root / "vms" / f"{ref}.lock").unlink()
 
@@ -819,13 +1055,61 @@ class MicrovmBackend:
 
     async def channel(self, ref: str) -> Channel:
         """Connect to the guest agent (one host connection per VM at a time: QEMU's socket
-        serves one client, a second waits until the first closes)."""
+        serves one client, a second waits until the first closes). On a VM with a network,
+        commands started through it get the egress proxy's environment."""
         vm_dir = self._vm_dir(ref)
-        self._record(ref)
+        rec = self._record(ref)
         if not qemu.is_running(vm_dir):
             msg = f"microvm {ref} is not running"
             raise InvalidState(msg)
-        return await self._agent(ref, vm_dir)
+        inner = await self._agent(ref, vm_dir)
+        if rec.net_mode == "none":
+            return inner
+        return NetworkEnvChannel(inner, lambda: self._guest_env(rec))
+
+    # ----------------------------------------------------------------- network control
+
+    async def update_network(self, ref: str, policy: NetworkPolicy) -> None:
+        """Change a VM's egress policy; new connections follow it at once.
+
+        A ``proxy`` VM (made with an allowlist) takes any allowlist or ``deny-all`` (the proxy
+        then refuses everything); a ``nat`` VM (made with ``allow-all``) takes any policy.
+
+        Raises:
+            NotSupported: The VM has no NIC (made with ``deny-all``) and the policy is not
+                ``deny-all``, or a ``proxy`` VM is asked for ``allow-all``.
+        """
+        rec = self._record(ref)
+        kind = _kind(policy)
+        if rec.net_mode == "none":
+            if kind == "deny-all":
+                return
+            msg = (
+                f"microvm {ref} was created with network='deny-all' and has no NIC, which cannot "
+                "be added to a running VM; create it with an allowlist (even an empty one) to "
+                "change its policy later"
+            )
+            raise NotSupported(msg, field="network")
+        if rec.net_mode == "proxy" and kind == "allow-all":
+            msg = (
+                f"microvm {ref} was created with an allowlist: its NIC reaches only the egress "
+                "proxy; allow-all needs a VM created with allow-all"
+            )
+            raise NotSupported(msg, field="network")
+        self._require_kind(policy)
+        await self._networks.update_policy(ref, policy)
+
+    def network_events(self, ref: str, offset: int = 0) -> tuple[list[dict[str, JsonValue]], int]:
+        """The egress proxy's decisions for this VM since byte ``offset`` (none for a VM
+        without a NIC)."""
+        self._record(ref)
+        events, nxt = self._networks.read_events(ref, offset)
+        return [e.to_json() for e in events], nxt
+
+    def suggest_network(self, ref: str) -> NetworkAllowlist:
+        """The least-privilege allowlist covering what the VM connected to."""
+        self._record(ref)
+        return self._networks.suggest(ref)
 
     # ----------------------------------------------------------------- snapshots
 
@@ -863,7 +1147,13 @@ class MicrovmBackend:
                     finally:
                         with anyio.CancelScope(shield=True):
                             await q.execute("cont")
-                baseline = _Baseline("snapshot", "", _sha256(work / "disk.qcow2"), fd_count)
+                baseline = _Baseline(
+                    "snapshot",
+                    "",
+                    _sha256(work / "disk.qcow2"),
+                    fd_count,
+                    guest_nat=rec.net_mode == "nat",
+                )
                 meta = {
                     "baseline": asdict(baseline),
                     "sandbox_id": ref,
@@ -871,6 +1161,7 @@ class MicrovmBackend:
                     "memory_mb": rec.memory_mb,
                     "vcpus": rec.vcpus,
                     "accel": rec.accel,
+                    "nic": rec.net_mode != "none",
                 }
                 (work / "snapshot.json").write_text(json.dumps(meta))
                 work.rename(sdir)
@@ -897,8 +1188,21 @@ class MicrovmBackend:
         return sdir, meta
 
     def _record_from_snapshot(
-        self, sandbox_id: str, sdir: Path, meta: dict[str, JsonValue]
+        self,
+        sandbox_id: str,
+        sdir: Path,
+        meta: dict[str, JsonValue],
+        net_mode: NetMode,
+        egress_socket: str | None,
     ) -> _VmRecord:
+        if bool(meta.get("nic", False)) != (net_mode != "none"):
+            has = "has a NIC" if meta.get("nic") else "has no NIC (made with deny-all)"
+            msg = f"snapshot {sdir.name} {has}; a VM restores only into the same devices, so " + (
+                "it needs a network policy other than deny-all"
+                if meta.get("nic")
+                else "it needs network='deny-all'"
+            )
+            raise NotSupported(msg, field="network")
         accel = meta["accel"]
         return _VmRecord(
             sandbox_id,
@@ -907,23 +1211,35 @@ class MicrovmBackend:
             int(str(meta["vcpus"])),
             "kvm" if accel == "kvm" else "tcg",
             self._baseline_of(sdir),
+            net_mode=net_mode,
+            egress_socket=egress_socket,
         )
 
     async def restore(self, ref: str, snapshot: SnapshotRef, spec: SandboxSpec) -> None:
         """Replace the VM's memory and disk with a snapshot's and run it; the snapshot becomes
-        the VM's reset baseline."""
+        the VM's reset baseline. The VM keeps its network (mode, policy, proxy socket).
+
+        Raises:
+            NotSupported: One of the snapshot and the VM has a NIC and the other has not.
+        """
         vm_dir = self._vm_dir(ref)
         sdir, meta = self._snapshot_dir(snapshot)
         async with _flock(self._root / "vms" / f"{ref}.lock"):
-            self._record(ref)
-            rec = self._record_from_snapshot(ref, sdir, meta)
+            old = self._record(ref)
+            rec = self._record_from_snapshot(ref, sdir, meta, old.net_mode, old.egress_socket)
             await qemu.kill_vm(vm_dir)
             with contextlib.suppress(FileNotFoundError):
                 (vm_dir / "mem.bin").unlink()
             _copy(sdir / "disk.qcow2", vm_dir / "disk.qcow2")
-            channel, _ = await self._restore_into(vm_dir, self._machine(rec), sdir)
+            channel, _ = await self._restore_into(
+                vm_dir, self._machine(rec), sdir, self._launch_of(rec)
+            )
             try:
-                await self._sync_clock(channel)
+                await self._sync_clock(
+                    channel,
+                    rec.net_mode,
+                    guest_nat=rec.baseline is not None and rec.baseline.guest_nat,
+                )
             except BaseException:
                 await channel.close()
                 raise
@@ -934,8 +1250,26 @@ class MicrovmBackend:
         self, snapshot: SnapshotRef, sandbox_ids: list[str], spec: SandboxSpec
     ) -> list[str]:
         """One new VM per id from a snapshot (made one after another: each restore is CPU-bound
-        under TCG)."""
+        under TCG), networked for ``spec.network``.
+
+        A snapshot with a NIC forks into ``proxy`` VMs (``nat`` for ``allow-all``; a
+        ``deny-all`` fork keeps the NIC and its proxy refuses everything); one without a NIC
+        forks only with ``deny-all``.
+
+        Raises:
+            NotSupported: The policy needs a NIC the snapshot has not, or cannot be enforced.
+        """
         sdir, meta = self._snapshot_dir(snapshot)
+        self._require_kind(spec.network)
+        mode: NetMode = "none"
+        if meta.get("nic"):
+            mode = "nat" if _kind(spec.network) == "allow-all" else "proxy"
+        elif spec.network != "deny-all":
+            msg = (
+                f"snapshot {snapshot.ref} has no NIC (made with deny-all), and a VM restores only "
+                "into the same devices: fork it with network='deny-all'"
+            )
+            raise NotSupported(msg, field="network")
         refs: list[str] = []
         for sid in sandbox_ids:
             vm_dir = self._vm_dir(sid)
@@ -943,13 +1277,21 @@ class MicrovmBackend:
                 if (vm_dir / "vm.json").exists():
                     refs.append(sid)
                     continue
-                rec = self._record_from_snapshot(sid, sdir, meta)
+                socket = self._new_egress_socket() if mode == "proxy" else None
+                rec = self._record_from_snapshot(sid, sdir, meta, mode, socket)
                 vm_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
                 try:
+                    await self._prepare_network(sid, mode, spec.network, socket)
                     _copy(sdir / "disk.qcow2", vm_dir / "disk.qcow2")
-                    channel, _ = await self._restore_into(vm_dir, self._machine(rec), sdir)
+                    channel, _ = await self._restore_into(
+                        vm_dir, self._machine(rec), sdir, self._launch_of(rec)
+                    )
                     try:
-                        await self._sync_clock(channel)
+                        await self._sync_clock(
+                            channel,
+                            mode,
+                            guest_nat=rec.baseline is not None and rec.baseline.guest_nat,
+                        )
                     except BaseException:
                         await channel.close()
                         raise
@@ -959,6 +1301,7 @@ class MicrovmBackend:
                     with anyio.CancelScope(shield=True):
                         await qemu.kill_vm(vm_dir)
                         shutil.rmtree(vm_dir, ignore_errors=True)
+                        await self._teardown_network(sid)
                     raise
             refs.append(sid)
         return refs
@@ -1007,14 +1350,23 @@ class MicrovmBackend:
                 (vm_dir / "mem.bin").unlink()
             _copy(Path(base.dir) / "disk.qcow2", vm_dir / "disk.qcow2")
             channel, disk_hash = await self._restore_into(
-                vm_dir, self._machine(rec), Path(base.dir), verify_disk=base.disk_sha256
+                vm_dir,
+                self._machine(rec),
+                Path(base.dir),
+                self._launch_of(rec),
+                verify_disk=base.disk_sha256,
             )
             restored = time.perf_counter()
             try:
                 # The baseline's clock is in the past: it is set in the same exec, after the
-                # descriptors were counted.
+                # descriptors were counted (and so is a nat VM's guest network setup).
                 report = await self._verify(
-                    vm_dir, base, channel, disk_hash, started, sync_clock=True
+                    vm_dir,
+                    base,
+                    channel,
+                    disk_hash,
+                    started,
+                    settle=self._settle_script(rec.net_mode, guest_nat=base.guest_nat),
                 )
             except BaseException:
                 await channel.close()
@@ -1062,14 +1414,14 @@ class MicrovmBackend:
         disk_hash: str | None,
         started: float,
         *,
-        sync_clock: bool = False,
+        settle: str | None = None,
     ) -> VerificationReport:
         if disk_hash is None:
             disk_hash = await anyio.to_thread.run_sync(_sha256, vm_dir / "disk.qcow2")
         async with await self._qmp(vm_dir) as q:
             status = await q.status()
         try:
-            fds = str(await self._fd_count(channel, then_sync_clock=sync_clock))
+            fds = str(await self._fd_count(channel, then=settle))
         except SandboxError as e:
             fds = f"error: {e}"
         checks = (
@@ -1078,6 +1430,15 @@ class MicrovmBackend:
             VerificationCheck("guest_fds", str(base.fd_count), fds),
         )
         return VerificationReport(checks, (time.perf_counter() - started) * 1000)
+
+
+def _pooled_socket(vm_dir: Path) -> str:
+    """The proxy socket a pooled VM's QEMU was started with (recorded beside it)."""
+    try:
+        return (vm_dir / _POOLED_SOCKET).read_text().strip()
+    except OSError as e:
+        msg = f"the pooled VM {vm_dir.name} does not say where its proxy socket is"
+        raise BackendError(msg) from e
 
 
 def _verification_error(ref: str, report: VerificationReport) -> ResetVerificationFailed:
@@ -1167,7 +1528,8 @@ async def _migrate_to(
 
 
 def doctor(cache_dir: Path | None = None) -> list[DoctorCheck]:
-    """What ``sandlot doctor`` reports for the microvm backend: tools, image, accelerator."""
+    """What ``sandlot doctor`` reports for the microvm backend: tools, image, accelerator
+    (``socat`` is optional: only network allowlists need it)."""
     checks: list[DoctorCheck] = []
     for tool, pkg in (
         (qemu.QEMU_BINARY, "qemu-system-x86"),
@@ -1178,6 +1540,16 @@ def doctor(cache_dir: Path | None = None) -> list[DoctorCheck]:
         checks.append(
             DoctorCheck(f"{tool} installed", bool(found), found or "", f"apt-get install {pkg}")
         )
+    socat = shutil.which("socat")
+    checks.append(
+        DoctorCheck(
+            "socat installed (network allowlists for microVMs)",
+            bool(socat),
+            socat or "",
+            "apt-get install socat",
+            required=False,
+        )
+    )
     from sandlot.backends.microvm.image import find_cached_image
 
     image = find_cached_image(cache_dir)

@@ -10,7 +10,10 @@ This module owns building, caching and loading guest images. An image is a direc
 Guest contract (what a user's own image must also honour): the root disk is ``/dev/vda``, the
 initramfs starts the sandlot agent (``sandlot.channel.agent``) serving the virtio-serial port
 named ``sandlot.agent`` (``/dev/virtio-ports/sandlot.agent``), and the guest mounts nothing
-from the host.
+from the host. For network policies other than ``deny-all`` the VM has one virtio-net NIC: the
+guest brings it up as ``eth0`` with :data:`GUEST_ADDRESS`/:data:`GUEST_PREFIX`, no default
+route and no IPv6, and keeps a busybox at :data:`GUEST_BUSYBOX` (the host adds the default
+route with it under ``allow-all``).
 ``/init`` with ``sandlot.probe=1`` on the kernel command line prints :data:`PROBE_MARKER` and
 powers off before touching any disk: that is how the host tests whether KVM really works.
 
@@ -45,6 +48,11 @@ from sandlot import config
 from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest
 
 __all__ = [
+    "GUEST_ADDRESS",
+    "GUEST_BUSYBOX",
+    "GUEST_GATEWAY",
+    "GUEST_NAMESERVER",
+    "GUEST_PREFIX",
     "MANIFEST_FORMAT",
     "PROBE_MARKER",
     "READY_MARKER",
@@ -72,14 +80,30 @@ ROOTFS_PACKAGES: Final = ("python3",)
 ROOTFS_SIZE: Final = "4G"
 
 # The cloud kernel builds virtio as modules; they must be loaded in dependency order
-# (research/feasibility.md §8). Only what the guest contract needs: no net, vsock or fs.
+# (research/feasibility.md §8). Only what the guest contract needs: no vsock or fs. virtio_net
+# needs failover and net_failover; a VM without a NIC loads them and never uses them.
 VIRTIO_MODULES: Final = (
     "drivers/virtio/virtio_ring.ko",
     "drivers/virtio/virtio.ko",
     "drivers/virtio/virtio_mmio.ko",
     "drivers/char/virtio_console.ko",
     "drivers/block/virtio_blk.ko",
+    "net/core/failover.ko",
+    "drivers/net/net_failover.ko",
+    "drivers/net/virtio_net.ko",
 )
+
+GUEST_ADDRESS: Final = "10.0.2.15"
+"""The guest's address on its NIC (QEMU user-mode networking's default guest address)."""
+GUEST_PREFIX: Final = 24
+"""The guest subnet's prefix length (QEMU's default ``10.0.2.0/24``)."""
+GUEST_GATEWAY: Final = "10.0.2.2"
+"""QEMU user-mode networking's gateway (the host's NAT), used only under ``allow-all``."""
+GUEST_NAMESERVER: Final = "10.0.2.3"
+"""QEMU user-mode networking's DNS forwarder, used only under ``allow-all``."""
+GUEST_BUSYBOX: Final = "/run/sandlot/busybox"
+"""A copy of the initramfs' busybox kept in the guest's RAM (``/run`` is a tmpfs) on VMs with a
+NIC: the root disk has no ``ip``, and the host configures routes with it."""
 
 KERNEL_CMDLINE: Final = (
     "console=ttyS0 quiet panic=-1 reboot=t i8042.noaux i8042.nomux i8042.nopnp "
@@ -117,7 +141,15 @@ find_port() {
     return 1
 }
 i=0
-while [ ! -b /dev/vda ] || ! port=$(find_port) || [ ! -c "/dev/$port" ]; do
+# A NIC (virtio device id 1) is there only on VMs made for a network policy.
+has_nic() {
+    for f in /sys/bus/virtio/devices/*/device; do
+        [ -e "$f" ] && [ "$(cat "$f")" = "0x0001" ] && return 0
+    done
+    return 1
+}
+while [ ! -b /dev/vda ] || ! port=$(find_port) || [ ! -c "/dev/$port" ] \
+        || { has_nic && [ ! -e /sys/class/net/eth0 ]; }; do
     i=$((i + 1))
     if [ "$i" -gt 2000 ]; then
         echo "sandlot-init: no /dev/vda or port @PORT@; /dev has: $(ls /dev | tr '\n' ' ')"
@@ -133,6 +165,16 @@ mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/tmp
 mount -t tmpfs -o mode=755,nosuid,nodev tmpfs /newroot/run
 mkdir -p /newroot/run/sandlot /newroot/var/log/sandlot
 cp /agent.py /newroot/run/sandlot/agent.py
+ip link set lo up
+if has_nic; then
+    # No default route: only the on-link egress proxy is reachable, and anything else fails at
+    # once with "network unreachable" instead of waiting for a timeout. The host adds the route
+    # for allow-all. No IPv6: QEMU's user-mode network here is IPv4 only.
+    [ -e /proc/sys/net/ipv6/conf/eth0/disable_ipv6 ] && echo 1 > /proc/sys/net/ipv6/conf/eth0/disable_ipv6
+    ip addr add @GUEST@/@PREFIX@ dev eth0
+    ip link set eth0 up
+    cp /bin/busybox /newroot@BUSYBOX@
+fi
 mount --move /dev /newroot/dev
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
@@ -154,6 +196,9 @@ def _init_script() -> str:
         .replace("@READY@", READY_MARKER)
         .replace("@DEVICE@", AGENT_DEVICE)
         .replace("@PORT@", AGENT_PORT_NAME)
+        .replace("@GUEST@", GUEST_ADDRESS)
+        .replace("@PREFIX@", str(GUEST_PREFIX))
+        .replace("@BUSYBOX@", GUEST_BUSYBOX)
     )
 
 
@@ -462,6 +507,7 @@ def build_image(
         "busybox": f"{busybox_pkg}={busybox_ver}",
         "agent": _sha256_file(agent_path),
         "init": hashlib.sha256(_init_script().encode()).hexdigest(),
+        "modules": ",".join(VIRTIO_MODULES),
         "cmdline": KERNEL_CMDLINE,
     }
     final = root / f"image-{_key(inputs)}"
@@ -599,6 +645,7 @@ def find_cached_image(
         "build": BUILD_VERSION,
         "agent": _sha256_file(agent_path) if agent_path.is_file() else "",
         "init": hashlib.sha256(_init_script().encode()).hexdigest(),
+        "modules": ",".join(VIRTIO_MODULES),
     }
     best: tuple[float, Path] | None = None
     for manifest in root.glob("image-*/manifest.json") if root.exists() else ():

@@ -15,6 +15,11 @@ Sockets are given as names relative to the VM directory (QEMU is started there) 
 ``sun_path`` is 108 bytes and state directories can be deeper than that; everything else is an
 absolute path because a daemonized QEMU changes its directory to ``/``.
 
+A VM made for a network policy has one virtio-net NIC on QEMU's user-mode network
+(:func:`user_netdev`): either restricted, so that the guest reaches nothing but one forwarded
+address (the egress proxy, over a unix socket the host serves), or unrestricted NAT, then run
+inside a network namespace whose firewall decides what the NAT may reach.
+
 It also decides the accelerator: KVM only when a real probe boot under KVM prints the guest's
 probe marker in time (a host whose KVM cannot run stock kernels, such as a PVM host, hangs the
 guest instead of failing), else TCG. The probe's answer is cached per host. This module must not
@@ -48,6 +53,8 @@ from sandlot.errors import BackendError, BackendUnavailable
 __all__ = [
     "AGENT_PORT_ID",
     "AGENT_SOCKET",
+    "PROXY_ADDRESS",
+    "PROXY_PORT",
     "QEMU_BINARY",
     "QMP_SOCKET",
     "SERIAL_LOG",
@@ -58,6 +65,7 @@ __all__ = [
     "kill_vm",
     "launch",
     "read_pid",
+    "user_netdev",
     "vcpus_for",
 ]
 
@@ -68,6 +76,16 @@ SERIAL_LOG: Final = "serial.log"
 PIDFILE: Final = "qemu.pid"
 AGENT_PORT_ID: Final = "agent0"
 """The virtserialport's QEMU id (named in ``VSERPORT_CHANGE`` events)."""
+
+PROXY_ADDRESS: Final = "10.0.2.100"
+"""The guest address QEMU forwards to the egress proxy (inside the user-mode subnet)."""
+PROXY_PORT: Final = 3128
+"""The port of :data:`PROXY_ADDRESS` that is forwarded."""
+NETDEV_ID: Final = "net0"
+GUEST_MAC: Final = "52:54:00:12:34:56"
+
+# sun_path holds 107 bytes; socat is given a relative name from the socket's directory beyond.
+_SUN_PATH_MAX: Final = 107
 
 Accel = Literal["kvm", "tcg"]
 
@@ -111,6 +129,47 @@ def _host_tsc_khz() -> int | None:
     return round(float(mhz.group(1)) * 1000)
 
 
+def _qemu_opt(value: str) -> str:
+    """A value inside a QEMU ``key=value,…`` option (a comma is written twice)."""
+    return value.replace(",", ",,")
+
+
+def _relay_command(socket_path: Path) -> str:
+    """The command QEMU spawns per forwarded connection: socat between its stdio and the
+    proxy's unix socket (QEMU splits it into argv like a shell, without running one)."""
+    socat = shutil.which("socat") or "socat"
+    path = str(socket_path)
+    if len(path.encode()) <= _SUN_PATH_MAX:
+        return f"{shlex.quote(socat)} - {shlex.quote('UNIX-CONNECT:' + path)}"
+    inner = (
+        f"cd {shlex.quote(str(socket_path.parent))} && exec {shlex.quote(socat)} - "
+        f"{shlex.quote('UNIX-CONNECT:' + socket_path.name)}"
+    )
+    return f"/bin/sh -c {shlex.quote(inner)}"
+
+
+def user_netdev(*, restrict: bool, proxy_socket: Path | None) -> list[str]:
+    """QEMU arguments for the VM's NIC on user-mode networking.
+
+    Args:
+        restrict: Drop every guest packet that no forwarding rule names (``restrict=on``: no
+            NAT, no DNS, nothing to the host); off gives the guest NAT to wherever the QEMU
+            process itself can connect.
+        proxy_socket: Forward TCP to :data:`PROXY_ADDRESS` port :data:`PROXY_PORT` to this unix
+            socket (one ``socat`` per connection); None forwards nothing.
+    """
+    opts = [f"user,id={NETDEV_ID}", "ipv6=off", "net=10.0.2.0/24"]
+    if restrict:
+        opts.append("restrict=on")
+    if proxy_socket is not None:
+        cmd = _relay_command(proxy_socket)
+        opts.append(f"guestfwd=tcp:{PROXY_ADDRESS}:{PROXY_PORT}-cmd:{_qemu_opt(cmd)}")
+    return [
+        "-netdev", ",".join(opts),
+        "-device", f"virtio-net-device,netdev={NETDEV_ID},mac={GUEST_MAC}",
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class MachineConfig:
     """Everything that shapes a VM's hardware and boot (a template is only reusable for an
@@ -120,6 +179,10 @@ class MachineConfig:
     memory_mb: int
     vcpus: int
     accel: Accel
+    nic: bool = False
+    """One virtio-net NIC (VMs for a network policy other than ``deny-all``). Its host side is
+    given per launch (:func:`user_netdev`); a memory image only loads into a VM that has the
+    same devices, so templates and snapshots with and without a NIC never mix."""
 
     def kernel_cmdline(self) -> str:
         """The kernel command line, with host-specific additions."""
@@ -151,6 +214,7 @@ class MachineConfig:
         ram: list[str],
         incoming: Path | None = None,
         incoming_defer: bool = False,
+        netdev: list[str] | None = None,
     ) -> list[str]:
         """The QEMU command line for a VM in ``vm_dir`` (run with that as working directory).
 
@@ -161,7 +225,14 @@ class MachineConfig:
                 ``ram`` so that a migration stream fits either.
             incoming: A migration stream file to restore instead of booting.
             incoming_defer: Wait for ``migrate-incoming`` over QMP (to set capabilities first).
+            netdev: The NIC's arguments (:func:`user_netdev`); required exactly when ``nic``.
+
+        Raises:
+            ValueError: ``netdev`` given without ``nic``, or missing with it.
         """
+        if self.nic != (netdev is not None):
+            msg = "a NIC's netdev is given exactly when the machine has a NIC"
+            raise ValueError(msg)
         accel = (
             ["-accel", "kvm", "-cpu", "host"]
             if self.accel == "kvm"
@@ -187,7 +258,7 @@ class MachineConfig:
             "-chardev", f"socket,id=agent,path={AGENT_SOCKET},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME},id={AGENT_PORT_ID}",
             "-qmp", f"unix:{QMP_SOCKET},server=on,wait=off",
-            "-nic", "none",
+            *(netdev if netdev is not None else ["-nic", "none"]),
             # Deny what a VMM never needs. Spawning stays allowed (exec: migration needs it), and so do
             # privilege changes: elevateprivileges=deny makes -daemonize fail silently (QEMU 7.2).
             "-sandbox", "on,obsolete=deny,resourcecontrol=deny",
@@ -215,6 +286,8 @@ class MachineConfig:
             self.accel,
             self.kernel_cmdline(),
         ]
+        if self.nic:
+            parts.append("nic:virtio-net")
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
