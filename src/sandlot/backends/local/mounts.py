@@ -125,7 +125,7 @@ class UsernsHolder:
 _CLONE_VM = 0x100
 _CLONE_NEWUSER = 0x10000000
 _SIGCHLD = 17
-_SYS_PAUSE_X86_64 = 34
+_SYS_EXIT_X86_64 = 60
 _libc.clone.restype = ctypes.c_int
 _libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
 
@@ -134,12 +134,15 @@ def _userns_by_clone(host_base: int, size: int) -> int | None:
     """A user namespace fd made without running a program, or None where this cannot work.
 
     A child is cloned straight into a new user namespace (``CLONE_NEWUSER``), sharing our
-    memory (``CLONE_VM``: nothing is copied) and running only libc's ``syscall(SYS_pause)`` on
-    a stack of its own, with every signal blocked; the namespace exists as soon as clone
-    returns. Its maps are written, its namespace opened, and it is killed and reaped. This
-    spares a fork and two program starts per sandbox (``unshare`` then ``cat``), about 4 ms
-    of CPU on our machines. The child never returns from the system call, so it touches no
-    memory but its own stack.
+    memory (``CLONE_VM``: nothing is copied) and running only libc's ``syscall(SYS_exit)`` on
+    a stack of its own, with every signal blocked: it touches no memory but its own stack. The
+    namespace lives as long as the child is not reaped, zombie or not: its maps are written,
+    its namespace opened, and only then is it reaped. This spares a fork and two program
+    starts per sandbox (``unshare`` then ``cat``), about 4 ms of CPU on our machines.
+
+    The child exits at once rather than waiting to be killed: if we are killed (``kill -9``)
+    before we reap it, a waiting child would live on, holding a copy of every fd we had (the
+    server's listening socket, its locks) and all our memory; a zombie holds nothing.
     """
     if platform.machine() != "x86_64":
         return None
@@ -149,7 +152,7 @@ def _userns_by_clone(host_base: int, size: int) -> int | None:
     old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
         pid = _libc.clone(
-            fn, top, _CLONE_NEWUSER | _CLONE_VM | _SIGCHLD, ctypes.c_void_p(_SYS_PAUSE_X86_64)
+            fn, top, _CLONE_NEWUSER | _CLONE_VM | _SIGCHLD, ctypes.c_void_p(_SYS_EXIT_X86_64)
         )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
@@ -166,7 +169,6 @@ def _userns_by_clone(host_base: int, size: int) -> int | None:
         msg = f"cannot set up a user namespace for uid range {host_base}: {e}"
         raise BackendError(msg) from e
     finally:
-        os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         del stack  # only now: the child ran on it
 
