@@ -307,9 +307,12 @@ class SandboxNetworks:
                 else:
                     netns.replace_table(names.table, netns.allow_all_rules(names, s, self.pool))
                     netns.enable_ip_forward()
+                via = s.host if kind == "allow-all" else None
                 if not netns.link_exists(names.host_if):
-                    netns.create_veth(names, s)
-                netns.set_default_route(names, s.host if kind == "allow-all" else None)
+                    # A new veth's namespace had no route; it gets its own in the same run.
+                    netns.create_veth(names, s, via)
+                else:
+                    netns.set_default_route(names, via)
                 st["proxy"] = (
                     {"listen": s.host, "port": port, "peer": s.sandbox}
                     if kind == "allowlist"

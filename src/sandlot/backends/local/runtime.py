@@ -466,7 +466,7 @@ class Runtime:
         ``known``: the container's host processes as ``(pid, start time)`` when the caller
         recorded them at boot, which spares asking the runtime first.
         """
-        if name not in self.names():
+        if not self.has(name):
             return
         if known is None:
             state = await self.state(name)
@@ -529,6 +529,14 @@ class Runtime:
             return sorted(p.name for p in self.root.iterdir() if p.is_dir())
         except FileNotFoundError:
             return []
+
+    def has(self, name: str) -> bool:
+        """Whether the runtime keeps state for ``name``.
+
+        One ``stat`` rather than :meth:`names`: every boot and delete asks, and listing the
+        state root of a hundred sandboxes each time made forking them quadratic.
+        """
+        return (self.root / name).is_dir()
 
     def host_pids(self, name: str, init_pid: int) -> list[int]:
         """Host processes of the container that may be re-parented to us (to reap later)."""
@@ -758,6 +766,10 @@ class Runsc(Runtime):
                 if base and not base.startswith("."):
                     out.add(base)
         return sorted(out)
+
+    def has(self, name: str) -> bool:
+        # runsc's records are files named after the sandbox, not one directory per container.
+        return name in self.names()
 
     def host_pids(self, name: str, init_pid: int) -> list[int]:
         # runsc leaves a sandbox (sentry) process and a gofer; both are re-parented to us.
