@@ -820,6 +820,12 @@ class AgentChannel:
         """Change permission bits."""
         await self._call({"op": "file.chmod", "path": _abs_path(path), "mode": int(mode)})
 
+    async def set_clock(self, when: float) -> None:
+        """Set the sandbox's system clock to ``when`` (seconds since the epoch), without
+        starting a program; needs an agent that serves ``clock.set`` and may set the clock
+        (a VM's agent is its root; elsewhere ``EPERM`` is refused as ``InvalidRequest``)."""
+        await self._call({"op": "clock.set", "time": float(when)})
+
     async def close(self) -> None:
         """Release the connection (the sandbox and its background processes keep running).
 

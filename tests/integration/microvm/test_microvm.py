@@ -14,7 +14,8 @@ import pytest
 
 from sandlot.backends.microvm import ImagePaths, MicrovmBackend, ResetVerificationFailed, qemu
 from sandlot.backends.microvm.image import build_image, verify_image
-from sandlot.errors import NotSupported
+from sandlot.channel.client import AgentChannel
+from sandlot.errors import InvalidRequest, NotSupported
 from sandlot.models import NetworkAllowlist, Resources, SandboxSpec, new_id
 
 # The first test to need the image may build it (about a minute, longer on a busy machine).
@@ -75,6 +76,20 @@ async def test_create_exec_files_and_destroy_leaves_nothing(
     assert comm.startswith("python")
     assert cwd == "/workspace"
     assert abs(int(guest_now) - time.time()) < 5  # the restored clock was set
+
+    # The clock is set by the agent itself (no program started): it takes whatever it is given.
+    channel = await backend.channel(ref)
+    try:
+        assert isinstance(channel, AgentChannel)
+        assert "clock.set" in channel.agent_info.ops
+        await channel.set_clock(time.time() + 86400)
+        ahead = int((await channel.exec(["date", "+%s"])).stdout)
+        assert abs(ahead - time.time() - 86400) < 5
+        with pytest.raises(InvalidRequest):
+            await channel.set_clock(-1)
+        await channel.set_clock(time.time())
+    finally:
+        await channel.close()
 
     payload = os.urandom(3 << 20)
     await _write(backend, ref, "/workspace/blob.bin", payload)

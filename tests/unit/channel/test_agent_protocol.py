@@ -193,6 +193,17 @@ async def test_malformed_frames_get_error_replies_and_never_kill_the_agent(agent
         assert (await ch.exec(["echo", "alive"])).stdout == "alive\n"
 
 
+async def test_clock_set_checks_its_argument(agent) -> None:
+    # Only the refusals: a valid request would set this host's clock (tests run as root). The
+    # microvm tests set a guest's clock with it.
+    c = RawClient(agent.sock)
+    assert "clock.set" in c.hello()["ops"]
+    for sid, req in enumerate(({}, {"time": -5}, {"time": "now"}, {"time": True}), start=1):
+        c.send(encode_frame(FrameType.OPEN, sid, encode_json({"op": "clock.set", **req})))
+        assert c.end_of(sid)["error"]["code"] == "invalid_request", req
+    c.close()
+
+
 async def test_version_mismatch_is_refused_clearly(agent) -> None:
     c = RawClient(agent.sock)
     reply = c.hello(versions=[99])

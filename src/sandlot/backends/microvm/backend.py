@@ -41,9 +41,11 @@ of open file descriptors in the guest (asked over the agent). Any disagreement r
 :class:`ResetVerificationFailed` naming the source; there is no quorum.
 
 Guest clock: a restored guest's clock resumes from when its memory was saved, so every restore
-sets it with one ``date -s`` exec (which also pays TCG's translation warm-up, so the caller's
-first exec is warm). Under TCG that exec dominates a create; a warm pool (``pool_size``) moves
-it out of the create path: create then renames a ready VM's directory (a few ms).
+sets it, with the agent's ``clock.set`` request (no program started; a ``nat`` VM's guest
+network setup still needs one exec). Under TCG a fresh QEMU translates every guest code path
+once, so the caller's first exec after a create costs a few hundred ms more than later ones; a
+warm pool (``pool_size``) pays that in advance: create then renames a ready, warmed VM's
+directory (a few ms).
 
 Network. A ``deny-all`` VM has no NIC at all. Any other policy gives the VM one virtio-net NIC
 on QEMU's user-mode network, in one of two modes fixed at create:
@@ -107,7 +109,7 @@ from sandlot.backends.microvm.image import (
 )
 from sandlot.backends.microvm.qmp import QmpClient, connect_unix
 from sandlot.channel.base import Channel
-from sandlot.channel.client import connect_stream
+from sandlot.channel.client import AgentChannel, connect_stream
 from sandlot.errors import (
     BackendError,
     BackendUnavailable,
@@ -580,6 +582,17 @@ class MicrovmBackend:
     async def _sync_clock(
         self, channel: Channel, net_mode: NetMode = "none", *, guest_nat: bool = False
     ) -> None:
+        if (
+            net_mode != "nat"
+            and not guest_nat
+            and isinstance(channel, AgentChannel)
+            and "clock.set" in channel.agent_info.ops
+        ):
+            # One request the agent answers itself: under TCG, the first programs a restored
+            # guest starts cost a few hundred ms of code translation, which a ``date -s`` exec
+            # would put on the create path (the caller's first exec pays it only once).
+            await channel.set_clock(time.time())
+            return
         await self._guest_sh(channel, self._settle_script(net_mode, guest_nat=guest_nat))
 
     # ----------------------------------------------------------------- network plumbing
@@ -931,9 +944,12 @@ class MicrovmBackend:
                         net = self._launch(name, "proxy", socket)
                     channel, _ = await self._restore_into(work, machine, tdir, net)
                     try:
-                        # Sets the clock and, as the first exec in this QEMU, pays TCG's
-                        # translation warm-up so the claimer's first exec does not.
                         await self._sync_clock(channel)
+                        # The first programs in this QEMU pay TCG's translation warm-up; paying
+                        # it here means the claimer's first exec does not. A shell and a
+                        # coreutils program, as most commands are (``true`` alone would be a
+                        # shell builtin and leave the program start-up cold).
+                        await self._guest_sh(channel, "date >/dev/null")
                     finally:
                         # No connection is held: the claimer may be another process, and
                         # QEMU's socket serves one client at a time.

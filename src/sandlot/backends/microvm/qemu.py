@@ -188,6 +188,11 @@ class MachineConfig:
         """The kernel command line, with host-specific additions."""
         line = self.image.cmdline
         if self.accel == "tcg":
+            # TCG does not execute speculatively, so the guest's Spectre/Meltdown mitigations
+            # (retpolines, barriers, RSB filling) protect nothing there and only cost: each
+            # retpoline is an indirect jump TCG cannot chain, on every syscall and interrupt.
+            # Under KVM the guest runs on a real CPU and keeps them.
+            line += " mitigations=off"
             khz = _host_tsc_khz()
             if khz:
                 line += f" tsc_early_khz={khz}"
