@@ -425,6 +425,7 @@ _NLMSG_DONE = 3
 _RTM_NEWADDR = 20
 _RTM_GETADDR = 22
 _NLM_F_REQUEST_DUMP = 0x1 | 0x300
+_NLM_F_DUMP_INTR = 0x10
 _IFA_ADDRESS = 1
 _IFA_LOCAL = 2
 
@@ -445,9 +446,13 @@ def _ipv4_addresses() -> list[str]:
             data = sock.recv(65536)
             off = 0
             while off + 16 <= len(data):
-                length, kind, _flags, _seq, _pid = struct.unpack_from("=IHHII", data, off)
+                length, kind, flags, _seq, _pid = struct.unpack_from("=IHHII", data, off)
                 if length < 16:
                     raise OSError(errno.EPROTO, "short netlink message")
+                if flags & _NLM_F_DUMP_INTR:
+                    # Addresses changed during the dump, which may then miss some: the
+                    # caller falls back to ``ip``, which reads a consistent list.
+                    raise OSError(errno.EAGAIN, "address dump interrupted")
                 if kind == _NLMSG_DONE:
                     return out
                 if kind == _NLMSG_ERROR:

@@ -365,6 +365,7 @@ class Driver:
         inner: list[str] | None = None,
         path: str = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
         pool: int = 0,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         """``wrap`` runs (as root) before dropping to the user, ``inner`` after it."""
         self.user = user
@@ -382,6 +383,7 @@ class Driver:
         }
         if pool:
             env["SANDLOT_TEST_POOL"] = str(pool)
+        env.update(extra_env or {})
         self._log = open(self.dir / "driver.log", "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [
@@ -1068,6 +1070,21 @@ def test_allow_all_reaches_out_but_not_the_host_loopback(
         assert slirps
         driver("destroy", ref=ref)
         assert not [p for p in user.processes() if _comm(p) == "slirp4netns"]
+        # The address pool of rootful sandboxes on this host is fenced off too: with the pool
+        # set over the outside server, the same connection is refused.
+        fenced = Driver(user, "fenced", extra_env={"SANDLOT_NETWORK_POOL": f"{address}/32"})
+        try:
+            ref = fenced("create", id=_new_id(), spec=_spec(network="allow-all"))["ref"]
+            out = fenced(
+                "sh",
+                ref=ref,
+                script=f"python3 -c \"import socket; socket.create_connection(('{address}', "
+                f'{port}), timeout=5)" 2>&1 | tail -n 1',
+            )
+            assert "Error" in out["stdout"], out
+            fenced("destroy", ref=ref)
+        finally:
+            fenced.close()
     finally:
         local.close()
         public.close()

@@ -22,6 +22,7 @@ snapshot's size. This module imports only :mod:`sandlot.errors` and the standard
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -111,7 +112,13 @@ class _Shifter:
 def _hash_copy(src: str, dst: str | None) -> tuple[str, int]:
     h = hashlib.sha256()
     n = 0
-    with open(src, "rb") as fin:
+    # The walk saw a regular file; open exactly that (no symlink, no FIFO swapped in since),
+    # so a sandbox process that outlived the freeze cannot make us copy a host file.
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{src} is no longer a regular file")
+    with open(fd, "rb") as fin:
         fout = open(dst, "wb") if dst is not None else None  # noqa: SIM115 - optional target
         try:
             while chunk := fin.read(_CHUNK):

@@ -146,6 +146,10 @@ def _userns_by_clone(host_base: int, size: int) -> int | None:
     """
     if platform.machine() != "x86_64":
         return None
+    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+        # The kernel would reap the child the moment it exits, namespace and pid with it
+        # (and the pid could be reused): take the ``unshare`` path instead.
+        return None
     stack = ctypes.create_string_buffer(64 * 1024)
     top = (ctypes.addressof(stack) + len(stack) - 64) & ~0xF
     fn = ctypes.cast(_libc.syscall, ctypes.c_void_p)

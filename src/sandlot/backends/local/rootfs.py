@@ -164,6 +164,11 @@ class RootfsCache:
         self.host_root = host_root
         self.storage = storage
         self._wrap: list[str] = list(storage.wrap) if storage is not None else []
+        if storage is not None:
+            # Rootless layers keep their owners and modes: a set-uid-root file of an image is
+            # set-uid to the caller here, so nobody else may reach into this tree.
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.root.chmod(0o700)
         for sub in ("images", "skeletons", "tmp", "by-file"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._skeleton: Layer | None = None

@@ -17,7 +17,7 @@ normal users): enforce memory, pids or CPU limits, count a sandbox's processes b
 are found from its init instead: :func:`sandbox_pids`), or freeze it through the freezer (a
 snapshot stops its processes with ``SIGSTOP`` instead: :func:`freeze`). Outbound network is
 ``slirp4netns`` in user mode (:func:`start_slirp`). This module imports only
-:mod:`sandlot.errors`, :mod:`.runtime` and the standard library; it must not import the rest of
+:mod:`sandlot.errors`, :mod:`.runtime`, the network pool's default and the standard library; it must not import the rest of
 the backend.
 """
 
@@ -40,6 +40,7 @@ from pathlib import Path
 
 from sandlot.backends.local.runtime import process_alive, reap
 from sandlot.errors import BackendError, BackendUnavailable
+from sandlot.network.netns import DEFAULT_POOL
 
 __all__ = [
     "HELPER",
@@ -378,12 +379,25 @@ def _state(pid: int) -> str | None:
     return raw[raw.rindex(")") + 2 :].split(" ", 1)[0]
 
 
+def _stop_pending(pid: int) -> bool:
+    """Whether ``SIGSTOP`` is pending for the process (its own or its thread group's)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return False
+    bit = 1 << (signal.SIGSTOP - 1)
+    return any(int(fields.get(name, "0").strip() or "0", 16) & bit for name in ("ShdPnd", "SigPnd"))
+
+
 def freeze(init: int, *, timeout: float = 5.0) -> list[int]:
     """Stop every process of a sandbox (``SIGSTOP``) until a pass finds none running; the
     pids this stopped, for :func:`thaw`.
 
     A fork racing the signal is restarted by the kernel after the stop, so once a whole pass
-    sees every process stopped, none can run until thawed.
+    sees every process stopped, none can run until thawed. A process with ``SIGSTOP`` pending
+    counts as stopped: the parent of a ``vfork`` sits in ``D`` until its child execs (which
+    a stopped child never does), and it cannot run user code before the pending stop.
 
     Raises:
         BackendError: processes kept appearing for ``timeout`` seconds.
@@ -391,7 +405,11 @@ def freeze(init: int, *, timeout: float = 5.0) -> list[int]:
     stopped: set[int] = set()
     deadline = time.monotonic() + timeout
     while True:
-        running = [p for p in sandbox_pids(init) if _state(p) not in ("T", "t", "Z", "X", None)]
+        running = [
+            p
+            for p in sandbox_pids(init)
+            if _state(p) not in ("T", "t", "Z", "X", None) and not _stop_pending(p)
+        ]
         if not running:
             return sorted(stopped)
         for pid in running:
@@ -478,12 +496,15 @@ def fence_slirp(init: int) -> None:
     Raises:
         BackendError: the rules could not be loaded.
     """
+    # slirp4netns connects from the host, so whatever the host routes to is in reach: the
+    # address pool of rootful sandboxes and NAT microVMs on this host is refused too.
     blocked = [
         "0.0.0.0/8",
         "10.0.2.0/24",
         "127.0.0.0/8",
         "169.254.0.0/16",
         "224.0.0.0/3",
+        os.environ.get("SANDLOT_NETWORK_POOL") or DEFAULT_POOL,
         *(a for a in _host_addresses() if not a.startswith("127.")),
     ]
     rules = _FENCE.format(dns=SLIRP_DNS, blocked=", ".join(blocked))
