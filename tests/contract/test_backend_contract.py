@@ -7,6 +7,7 @@ host skips naming the prerequisite (CI installs them, so nothing skips there).
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -42,15 +43,26 @@ def _local(state: Path) -> Backend:
     return backend
 
 
+def _local_gvisor(state: Path) -> Backend:
+    if shutil.which("runsc") is None:
+        pytest.skip("local with gVisor needs runsc (Debian package runsc)")
+    return _local(state)
+
+
 BACKENDS: dict[str, Callable[[Path], Backend]] = {
     "fake": _fake,
     "local": _local,
+    "local-gvisor": _local_gvisor,
     "microvm": _microvm,
 }
 SLOW = {"microvm"}
 
 # Every backend can enforce "no network at all", so the contract uses it throughout.
 SPEC = SandboxSpec(network="deny-all")
+# The local backend picks its runtime per sandbox, from the spec.
+SPECS = {
+    "local-gvisor": SPEC.model_copy(update={"backend_options": {"local": {"isolation": "gvisor"}}})
+}
 
 
 @pytest.fixture(
@@ -58,6 +70,12 @@ SPEC = SandboxSpec(network="deny-all")
 )
 def backend_factory(request: pytest.FixtureRequest) -> Callable[[Path], Backend]:
     return BACKENDS[request.param]
+
+
+@pytest.fixture
+def spec(request: pytest.FixtureRequest) -> SandboxSpec:
+    """The spec the contract's sandboxes are made with on this backend."""
+    return SPECS.get(request.node.callspec.params["backend_factory"], SPEC)
 
 
 @pytest.fixture
@@ -71,9 +89,8 @@ async def backend(
     await impl.aclose()
 
 
-async def test_lifecycle_keeps_files_across_stop(backend: Backend) -> None:
+async def test_lifecycle_keeps_files_across_stop(backend: Backend, spec: SandboxSpec) -> None:
     sid = new_id("sb")
-    spec = SPEC
     ref = await backend.create(sid, spec)
     assert (await backend.inspect(ref)).state == "running"
     assert (await backend.list_owned()).get(sid) == ref
@@ -98,16 +115,16 @@ async def test_lifecycle_keeps_files_across_stop(backend: Backend) -> None:
     await backend.destroy(ref)
 
 
-async def test_create_is_idempotent_per_sandbox_id(backend: Backend) -> None:
+async def test_create_is_idempotent_per_sandbox_id(backend: Backend, spec: SandboxSpec) -> None:
     sid = new_id("sb")
-    ref = await backend.create(sid, SPEC)
-    again = await backend.create(sid, SPEC)
+    ref = await backend.create(sid, spec)
+    again = await backend.create(sid, spec)
     assert again == ref
     assert list((await backend.list_owned()).items()).count((sid, ref)) == 1
 
 
-async def test_channel_files(backend: Backend) -> None:
-    ref = await backend.create(new_id("sb"), SPEC)
+async def test_channel_files(backend: Backend, spec: SandboxSpec) -> None:
+    ref = await backend.create(new_id("sb"), spec)
     channel = await backend.channel(ref)
     payload = bytes(range(256)) * 4096
     info = await channel.write_file("/workspace/dir/blob.bin", payload, mode=0o600)
@@ -126,11 +143,12 @@ async def test_channel_files(backend: Backend) -> None:
     await channel.close()
 
 
-async def test_snapshot_restore_and_fork_when_supported(backend: Backend) -> None:
+async def test_snapshot_restore_and_fork_when_supported(
+    backend: Backend, spec: SandboxSpec
+) -> None:
     caps = backend.capabilities()
     if not caps.snapshot:
         pytest.skip(f"{backend.name} does not claim snapshots")
-    spec = SPEC
     ref = await backend.create(new_id("sb"), spec)
     channel = await backend.channel(ref)
     await channel.write_file("/workspace/v.txt", b"one")
