@@ -289,6 +289,27 @@ class Manager:
                 return sb
         return await self.get(sandbox_id, actor=actor)
 
+    async def _launch(
+        self,
+        sandbox_id: str,
+        actor: Actor,
+        command: Command | Sequence[str],
+        cwd: str | None,
+        env: Mapping[str, str] | None,
+    ) -> tuple[SandboxInfo, list[str], str, dict[str, str], str | list[str]]:
+        """What ``exec``, ``start_process`` and ``open_pty`` start, checked before anything
+        reaches the sandbox: its record, the argv, the working directory (the caller's, else
+        the command's, else the spec's), the extra environment (the caller's over the
+        command's) and the command as policy and receipts show it."""
+        if cwd is not None and not cwd.startswith("/"):
+            msg = f"cwd must be an absolute path, got {cwd!r}"
+            raise InvalidRequest(msg)
+        argv, spec_cwd, spec_env = command_argv(command)
+        sb = await self._current(sandbox_id, actor)
+        workdir = cwd or spec_cwd or sb.spec.workdir
+        shown = command if isinstance(command, str) else argv
+        return sb, argv, workdir, spec_env | dict(env or {}), shown
+
     async def _touch(self, sb: SandboxInfo) -> None:
         """Record activity (for idle timeouts), at most every :data:`TOUCH_EVERY` seconds."""
         now = utcnow()
@@ -898,14 +919,9 @@ class Manager:
         if timeout is not None and timeout <= 0:
             msg = f"timeout must be positive, got {timeout}"
             raise InvalidRequest(msg)
-        if cwd is not None and not cwd.startswith("/"):
-            msg = f"cwd must be an absolute path, got {cwd!r}"
-            raise InvalidRequest(msg)
-        argv, spec_cwd, spec_env = command_argv(command)
-        sb = await self._current(sandbox_id, actor)
-        workdir = cwd or spec_cwd or sb.spec.workdir
-        extra_env = spec_env | dict(env or {})
-        shown = command if isinstance(command, str) else argv
+        sb, argv, workdir, extra_env, shown = await self._launch(
+            sandbox_id, actor, command, cwd, env
+        )
         begun: Intent | _Replay | None = None
         if idempotency_key is not None:
             request: dict[str, JsonValue] = {
@@ -1499,17 +1515,12 @@ class Manager:
         (the last 8 MiB) for :meth:`process_output`; a ``name`` held by a running process is
         a ``Conflict``.
         """
-        if cwd is not None and not cwd.startswith("/"):
-            msg = f"cwd must be an absolute path, got {cwd!r}"
-            raise InvalidRequest(msg)
         if name is not None and not name:
             msg = "a process name must not be empty"
             raise InvalidRequest(msg)
-        argv, spec_cwd, spec_env = command_argv(command)
-        sb = await self._current(sandbox_id, actor)
-        workdir = cwd or spec_cwd or sb.spec.workdir
-        extra_env = spec_env | dict(env or {})
-        shown = command if isinstance(command, str) else argv
+        sb, argv, workdir, extra_env, shown = await self._launch(
+            sandbox_id, actor, command, cwd, env
+        )
         async with self._gated(
             actor, "process.start", sb, command=shown, cwd=workdir, env=extra_env
         ) as outcome:
@@ -1664,14 +1675,9 @@ class Manager:
             if not 1 <= n <= 65535:
                 msg = f"{what} must be 1..65535, got {n}"
                 raise InvalidRequest(msg)
-        if cwd is not None and not cwd.startswith("/"):
-            msg = f"cwd must be an absolute path, got {cwd!r}"
-            raise InvalidRequest(msg)
-        argv, spec_cwd, spec_env = command_argv(["sh"] if command is None else command)
-        sb = await self._current(sandbox_id, actor)
-        workdir = cwd or spec_cwd or sb.spec.workdir
-        extra_env = spec_env | dict(env or {})
-        shown = command if isinstance(command, str) else argv
+        sb, argv, workdir, extra_env, shown = await self._launch(
+            sandbox_id, actor, ["sh"] if command is None else command, cwd, env
+        )
         async with self._gated(
             actor, "pty.open", sb, command=shown, cwd=workdir, env=extra_env
         ) as outcome:

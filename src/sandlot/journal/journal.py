@@ -486,27 +486,13 @@ class Journal:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[tuple[Connection, _Params]]:
-        try:
-            with self._writer.begin() as conn:
-                yield conn, self._clock()
-        except OperationalError as e:
-            msg = f"journal database error: {e.orig}"
-            raise BackendUnavailable(msg) from e
-        except DataError as e:
-            msg = f"the journal database refused a value: {e.orig}"
-            raise InvalidRequest(msg) from e
+        with _database_errors(), self._writer.begin() as conn:
+            yield conn, self._clock()
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[tuple[Connection, _Params]]:
-        try:
-            with self.engine.connect() as conn:
-                yield conn, self._clock()
-        except OperationalError as e:
-            msg = f"journal database error: {e.orig}"
-            raise BackendUnavailable(msg) from e
-        except DataError as e:
-            msg = f"the journal database refused a value: {e.orig}"
-            raise InvalidRequest(msg) from e
+        with _database_errors(), self.engine.connect() as conn:
+            yield conn, self._clock()
 
     def _event(
         self,
@@ -1302,3 +1288,17 @@ class Journal:
             for table in (journal_events, authorizations, provider_allocations):
                 conn.execute(delete(table).where(table.c.intent_id.in_(doomed)))
             return conn.execute(delete(intents).where(intents.c.intent_id.in_(doomed))).rowcount
+
+
+@contextlib.contextmanager
+def _database_errors() -> Iterator[None]:
+    """Database failures as sandlot's errors: an unreachable or failing database is
+    ``BackendUnavailable``, a value it refuses is ``InvalidRequest``."""
+    try:
+        yield
+    except OperationalError as e:
+        msg = f"journal database error: {e.orig}"
+        raise BackendUnavailable(msg) from e
+    except DataError as e:
+        msg = f"the journal database refused a value: {e.orig}"
+        raise InvalidRequest(msg) from e
