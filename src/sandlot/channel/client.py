@@ -826,6 +826,16 @@ class AgentChannel:
         (a VM's agent is its root; elsewhere ``EPERM`` is refused as ``InvalidRequest``)."""
         await self._call({"op": "clock.set", "time": float(when)})
 
+    async def count_fds(self) -> int:
+        """How many file descriptors the sandbox's processes hold open, the agent's own left
+        out (needs an agent that serves ``fd.count``)."""
+        reply = await self._call({"op": "fd.count"})
+        count = reply.get("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            msg = f"the agent's fd count is not a count: {count!r}"
+            raise BackendError(msg)
+        return count
+
     async def close(self) -> None:
         """Release the connection (the sandbox and its background processes keep running).
 

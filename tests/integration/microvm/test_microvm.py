@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from sandlot.backends.microvm import ImagePaths, MicrovmBackend, ResetVerificationFailed, qemu
@@ -190,6 +191,50 @@ async def test_reset_verifies_and_catches_a_tampered_overlay(
     await backend.destroy(ref)
 
 
+async def test_reset_resumes_a_standby_and_still_verifies_it(
+    backend: MicrovmBackend, spec: SandboxSpec
+) -> None:
+    ref = await backend.create(new_id("sb"), spec)
+    vm_dir = backend._vm_dir(ref)
+    await _write(backend, ref, "/workspace/dirty.txt", b"x")
+    await backend.reset_to_baseline(ref)  # a plain restore, which starts a standby
+    standby = vm_dir / "standby"
+    standby_pid = qemu.read_pid(standby)
+    assert standby_pid is not None
+    async with await backend._qmp(standby) as q:
+        assert await q.status() == "paused"  # loaded, not running: it uses no guest CPU
+
+    await _write(backend, ref, "/workspace/dirty.txt", b"x")
+    assert (await backend.reset_to_baseline(ref)).ok
+    assert qemu.read_pid(vm_dir) == standby_pid  # the standby became the VM
+    assert "dirty.txt" not in await _sh(backend, ref, "ls /workspace")
+    assert abs(int(await _sh(backend, ref, "date +%s")) - time.time()) < 5
+    next_pid = qemu.read_pid(standby)
+    assert next_pid is not None and next_pid != standby_pid
+    # QEMU reopens its disk by the path it was started with when a migration ends (stop,
+    # snapshot): that path must still lead to the disk.
+    await backend.stop(ref)
+    await backend.start(ref, spec)
+    assert "dirty.txt" not in await _sh(backend, ref, "ls /workspace")
+    await backend.reset_to_baseline(ref)  # no standby after a stop: this makes one
+    await backend.reset_to_baseline(ref)
+    snap = await backend.snapshot(ref, new_id("snap"))
+    await backend.delete_snapshot(snap)
+
+    # The host changes the standby's overlay before it is used: the reset must notice.
+    with open(standby / "disk.qcow2", "ab") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(ResetVerificationFailed) as caught:
+        await backend.reset_to_baseline(ref)
+    assert caught.value.details["diverged"] == ["disk"]
+
+    pids = [qemu.read_pid(vm_dir), qemu.read_pid(standby)]
+    await backend.destroy(ref)
+    assert not vm_dir.exists()
+    for pid in pids:
+        assert pid is None or not Path(f"/proc/{pid}").exists() or _zombie(pid)
+
+
 async def test_reset_notices_a_changed_guest(backend: MicrovmBackend, spec: SandboxSpec) -> None:
     ref = await backend.create(new_id("sb"), spec)
     await backend.reset_to_baseline(ref)
@@ -203,6 +248,31 @@ async def test_reset_notices_a_changed_guest(backend: MicrovmBackend, spec: Sand
         await backend.verify(ref)
     assert "guest_fds" in caught.value.details["diverged"]
     assert (await backend.reset_to_baseline(ref)).ok
+    await backend.destroy(ref)
+
+
+async def test_both_fd_counts_see_a_process_left_behind(
+    backend: MicrovmBackend, spec: SandboxSpec
+) -> None:
+    # New baselines count with the agent's fd.count; baselines made before it existed keep
+    # being compared with the shell script's count. Both must see the same leftover.
+    ref = await backend.create(new_id("sb"), spec)
+    baseline = backend._record(ref).baseline
+    assert baseline is not None
+    assert baseline.fd_source == "agent"
+    channel = await backend._agent(ref, backend._vm_dir(ref))
+    before = {s: await backend._fd_count(channel, s) for s in ("agent", "shell")}
+    assert before["agent"] == baseline.fd_count
+    proc = await channel.start_process(["sh", "-c", "exec 7</etc/hostname; sleep 1000"])
+    # The process is started, not necessarily past its redirection: wait until sleep runs.
+    with anyio.fail_after(10):
+        while "sleep" not in (await channel.exec(["sh", "-c", "cat /proc/[0-9]*/comm"])).stdout:
+            await anyio.sleep(0.05)
+    after = {s: await backend._fd_count(channel, s) for s in ("agent", "shell")}
+    # sh holds 0-2 and 7 (then sleep inherits them): at least four more either way.
+    assert after["agent"] >= before["agent"] + 4
+    assert after["shell"] >= before["shell"] + 4
+    await channel.signal_process(proc.id, 9)
     await backend.destroy(ref)
 
 
@@ -255,6 +325,10 @@ async def test_warm_pool_claim_and_drain(microvm_image: ImagePaths, microvm_stat
         out = await _sh(backend, ref, "echo pooled; date +%s")
         assert out.split()[0] == "pooled"
         assert abs(int(out.split()[1]) - time.time()) < 5
+        # Its files moved after QEMU started; saving its memory must still work.
+        await backend.stop(ref)
+        await backend.start(ref, SandboxSpec(network="deny-all"))
+        assert (await _sh(backend, ref, "echo again")).strip() == "again"
         await backend.destroy(ref)
         assert qemu.read_pid(backend._vm_dir(ref)) is None
 

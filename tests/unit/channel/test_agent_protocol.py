@@ -204,6 +204,16 @@ async def test_clock_set_checks_its_argument(agent) -> None:
     c.close()
 
 
+async def test_fd_count_answers_without_starting_a_program(agent) -> None:
+    # What it counts is checked in a quiet microVM (tests/integration/microvm); this host's
+    # other processes open and close descriptors all the time.
+    async with await connect_unix(agent.sock) as ch:
+        assert "fd.count" in ch.agent_info.ops
+        before = len(await ch.list_processes())
+        assert await ch.count_fds() > 0
+        assert len(await ch.list_processes()) == before
+
+
 async def test_version_mismatch_is_refused_clearly(agent) -> None:
     c = RawClient(agent.sock)
     reply = c.hello(versions=[99])
