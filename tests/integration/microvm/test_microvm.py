@@ -235,6 +235,32 @@ async def test_reset_resumes_a_standby_and_still_verifies_it(
         assert pid is None or not Path(f"/proc/{pid}").exists() or _zombie(pid)
 
 
+async def test_create_resumes_the_standby_the_create_before_made(
+    backend: MicrovmBackend, spec: SandboxSpec, microvm_state: Path
+) -> None:
+    first = await backend.create(new_id("sb"), spec)
+    [ready] = list((microvm_state / "standby").glob("*/ready"))
+    standby_pid = qemu.read_pid(ready)
+    assert standby_pid is not None
+    async with await backend._qmp(ready) as q:
+        assert await q.status() == "paused"
+
+    second = await backend.create(new_id("sb"), spec)
+    assert qemu.read_pid(backend._vm_dir(second)) == standby_pid  # the standby became it
+    assert abs(int(await _sh(backend, second, "date +%s")) - time.time()) < 5
+    await _write(backend, second, "/workspace/mine.txt", b"second")
+    assert "mine.txt" not in await _sh(backend, first, "ls /workspace")  # disks of their own
+    next_pid = qemu.read_pid(ready)
+    assert next_pid is not None and next_pid != standby_pid
+    await backend.stop(second)  # its files moved after QEMU started
+    await backend.start(second, spec)
+    assert (await _sh(backend, second, "cat /workspace/mine.txt")) == "second"
+
+    await backend.aclose()  # removes the standby this object made
+    assert not ready.exists()
+    assert not Path(f"/proc/{next_pid}").exists() or _zombie(next_pid)
+
+
 async def test_reset_notices_a_changed_guest(backend: MicrovmBackend, spec: SandboxSpec) -> None:
     ref = await backend.create(new_id("sb"), spec)
     await backend.reset_to_baseline(ref)

@@ -294,6 +294,7 @@ class MachineConfig:
         except OSError:
             qemu_id = "?"
         parts = [
+            _TEMPLATE_RECIPE,
             qemu_id,
             self.image.key,
             str(self.memory_mb),
@@ -304,6 +305,11 @@ class MachineConfig:
         if self.nic:
             parts.append("nic:virtio-net")
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+_TEMPLATE_RECIPE: Final = "template-recipe/2"
+"""Part of every fingerprint: raise it when how a template is made changes (what runs in it
+before its memory is saved), so that templates made the old way are not reused."""
 
 
 def read_pid(vm_dir: Path) -> int | None:
