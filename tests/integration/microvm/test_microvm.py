@@ -210,7 +210,8 @@ async def test_reset_resumes_a_standby_and_still_verifies_it(
     assert "dirty.txt" not in await _sh(backend, ref, "ls /workspace")
     assert abs(int(await _sh(backend, ref, "date +%s")) - time.time()) < 5
     next_pid = qemu.read_pid(standby)
-    assert next_pid is not None and next_pid != standby_pid
+    assert next_pid is not None
+    assert next_pid != standby_pid
     # QEMU reopens its disk by the path it was started with when a migration ends (stop,
     # snapshot): that path must still lead to the disk.
     await backend.stop(ref)
@@ -251,7 +252,8 @@ async def test_create_resumes_the_standby_the_create_before_made(
     await _write(backend, second, "/workspace/mine.txt", b"second")
     assert "mine.txt" not in await _sh(backend, first, "ls /workspace")  # disks of their own
     next_pid = qemu.read_pid(ready)
-    assert next_pid is not None and next_pid != standby_pid
+    assert next_pid is not None
+    assert next_pid != standby_pid
     await backend.stop(second)  # its files moved after QEMU started
     await backend.start(second, spec)
     assert (await _sh(backend, second, "cat /workspace/mine.txt")) == "second"
