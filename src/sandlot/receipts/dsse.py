@@ -62,7 +62,7 @@ class Envelope:
         ``json.dumps`` escapes strings exactly as RFC 8785 does (a test pins this).
         """
         sigs = ",".join(
-            f'{{"keyid":{_string(s.keyid)},"sig":"{_b64encode(s.sig)}"}}' for s in self.signatures
+            [f'{{"keyid":{_string(s.keyid)},"sig":"{_b64encode(s.sig)}"}}' for s in self.signatures]
         )
         return (
             f'{{"payload":"{_b64encode(self.payload)}",'
@@ -102,7 +102,7 @@ class Envelope:
 def sign_envelope(payload_type: str, payload: bytes, signers: Sequence[Signer]) -> Envelope:
     """Sign ``payload`` with every signer, in order."""
     message = pae(payload_type, payload)
-    sigs = tuple(Signature(keyid=s.key_id, sig=s.sign(message)) for s in signers)
+    sigs = tuple([Signature(s.key_id, s.sign(message)) for s in signers])
     return Envelope(payload_type=payload_type, payload=payload, signatures=sigs)
 
 

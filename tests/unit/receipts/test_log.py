@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import itertools
+import re
 import subprocess
 import sys
 import textwrap
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,16 @@ def test_receipts_read_back_byte_for_byte(log, decision):
     assert log.size() == 5
     with pytest.raises(NotFound):
         log.get(6)
+
+
+def test_receipts_are_stamped_in_utc_to_the_microsecond(log, decision):
+    before = datetime.now(UTC)
+    stamps = [r.body["ts"] for r in [log.append(decision(1)), *log.append_many([decision(2)])]]
+    after = datetime.now(UTC)
+    for ts in stamps:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", ts)
+        assert before <= datetime.fromisoformat(ts) <= after
+    assert stamps == sorted(stamps)
 
 
 def test_iterate_pages_through_the_whole_log(log, decision):
@@ -255,6 +267,44 @@ def test_database_rejects_a_second_row_for_a_seq(log, decision, engine):
         conn.execute(insert(receipts), [row])
     with engine.connect() as conn:
         assert conn.execute(select(receipts.c.entry_hash)).scalars().all() == [r.entry_hash]
+
+
+def test_a_driver_with_named_placeholders_appends_through_sqlalchemy(db_path, signer, decision):
+    # Appends write positional SQL for the usual drivers; others take SQLAlchemy's insert.
+    engine = create_engine(f"sqlite:///{db_path}", paramstyle="named")
+    try:
+        log = ReceiptLog(engine, signer, log_id="test.example/receipts")
+        allow, *_ = log.append_many([decision(n) for n in range(3)])
+        log.append(execution_entry(allow, exit_code=0))
+        with pytest.raises(Conflict):
+            log.append(execution_entry(allow, exit_code=0))
+        assert [r.seq for r in log.iterate()] == [1, 2, 3, 4]
+        result = verify_log(log.lines(), log.export_trust_root(), checkpoint=log.checkpoint())
+        assert result.ok, result.failure
+        log.close()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.needs_postgres
+def test_postgres_log_chains_reads_back_and_refuses_a_second_execution(pg_url, signer, decision):
+    engine = create_engine(pg_url)
+    try:
+        create_tables(engine)
+        log = ReceiptLog(engine, signer, log_id="test.example/receipts")
+        written = log.append_many([decision(n) for n in range(3)])
+        written.append(log.append(execution_entry(written[0], exit_code=0)))
+        with pytest.raises(Conflict):
+            log.append(execution_entry(written[0], exit_code=1))
+        log.rotate(Ed25519Signer.generate())
+        written.append(log.append(decision(4)))
+        assert [r.line for r in log.iterate()][:4] == [r.line for r in written[:4]]
+        assert log.get(6).line == written[-1].line
+        result = verify_log(log.lines(), log.export_trust_root(), checkpoint=log.checkpoint())
+        assert result.ok, result.failure
+        assert result.receipts == 6
+    finally:
+        engine.dispose()
 
 
 _WORKER = textwrap.dedent(
