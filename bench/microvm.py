@@ -131,6 +131,7 @@ async def main(args: argparse.Namespace) -> None:
         # started would leave its VM running after this directory is gone.
         await pool_ready()
         await pooled.drain_pool()
+        await pooled.aclose()
 
         ref = await backend.create(new_id("sb"), SPEC)
         execs = await exec_ms(backend, ref, ["true"], args.execs)
@@ -166,6 +167,7 @@ async def main(args: argparse.Namespace) -> None:
             snaps.append((time.perf_counter() - t) * 1000)
             await backend.delete_snapshot(snap)
         await backend.destroy(ref)
+        await backend.aclose()  # and the create standby it left
 
         print(f"\n{'what':<44} {'p50':>11} {'p99':>11} {'min':>11}")
         row("baseline: subprocess.run(['true']) on host", host)
