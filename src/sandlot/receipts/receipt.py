@@ -33,7 +33,7 @@ from typing import final
 
 from sandlot.errors import InvalidRequest
 from sandlot.receipts.canonical import JsonValue, canonical_json, check_digest_ref, sha256_ref
-from sandlot.receipts.dsse import Envelope, sign_envelope
+from sandlot.receipts.dsse import Envelope, Signature, sign_envelope
 from sandlot.receipts.signer import Signer
 
 __all__ = [
@@ -48,9 +48,11 @@ __all__ = [
     "Receipt",
     "approval_entry",
     "decision_entry",
+    "draft_entry",
     "execution_entry",
     "seal",
     "seal_entry",
+    "seal_signed",
 ]
 
 #: The DSSE payload type of every receipt; the verifier accepts no other.
@@ -412,15 +414,55 @@ def seal_entry(
     The same receipt, byte for byte, as :func:`seal` of ``entry.fields()`` plus the chain
     fields, ``key_id`` being ``signers[0]``'s; only faster, as it runs on every append.
     """
-    key_id = signers[0].key_id
+    body, payload = draft_entry(
+        entry,
+        log_id=log_id,
+        seq=seq,
+        lamport=lamport,
+        ts=ts,
+        prev_hash=prev_hash,
+        key_id=signers[0].key_id,
+    )
+    return _sealed(body, payload, seq, lamport, signers)
+
+
+def draft_entry(
+    entry: Entry, *, log_id: str, seq: int, lamport: int, ts: str, prev_hash: str, key_id: str
+) -> tuple[dict[str, JsonValue], bytes]:
+    """The body :func:`seal_entry` signs and its canonical payload, not yet signed (a log signs
+    a batch of drafts at once, see :func:`seal_signed`).
+
+    Raises:
+        InvalidRequest: A value of the entry cannot be written as canonical JSON.
+    """
     body = entry.fields()
     body.update(
         v=1, log_id=log_id, seq=seq, lamport=lamport, ts=ts, prev_hash=prev_hash, key_id=key_id
     )
     payload = _canonical_body(entry, log_id, seq, lamport, ts, prev_hash, key_id)
-    if payload is None:
-        return seal(body, signers)
-    return _sealed(body, payload, seq, lamport, signers)
+    if payload is None:  # off the fast path: check what it checked
+        _int(body, "seq")
+        _int(body, "lamport")
+        payload = canonical_json(body)
+    return body, payload
+
+
+def seal_signed(
+    body: dict[str, JsonValue], payload: bytes, entry_hash: str, signatures: Sequence[Signature]
+) -> Receipt:
+    """The receipt of a :func:`draft_entry` whose PAE (:func:`~sandlot.receipts.dsse.pae` of
+    :data:`PAYLOAD_TYPE` and ``payload``) the caller signed; ``entry_hash`` is
+    ``sha256_ref(payload)``, which the caller computed to chain the next draft."""
+    envelope = Envelope(payload_type=PAYLOAD_TYPE, payload=payload, signatures=tuple(signatures))
+    return Receipt(
+        seq=_int(body, "seq"),
+        lamport=_int(body, "lamport"),
+        type=str(body["type"]),
+        entry_hash=entry_hash,
+        body=body,
+        envelope=envelope,
+        line=envelope.to_json(),
+    )
 
 
 def _sealed(

@@ -69,11 +69,16 @@ def test_iterate_pages_through_the_whole_log(log, decision):
     assert [r.seq for r in log.iterate(from_seq=3, page=7)] == list(range(3, 26))
 
 
-def test_batch_is_one_chain(log, decision):
-    batch = log.append_many([decision(n) for n in range(10)])
+@pytest.mark.parametrize("size", [10, 100])  # 100: signed on two threads
+def test_batch_is_one_chain(log, decision, size):
+    batch = log.append_many([decision(n) for n in range(size)])
     for prev, cur in itertools.pairwise(batch):
         assert cur.prev_hash == prev.entry_hash
         assert cur.seq == prev.seq + 1
+    result = verify_log(log.lines(), log.export_trust_root())
+    assert result.ok, result.failure
+    assert result.receipts == size
+    log.close()  # also stops the signing thread
 
 
 def test_lamport_moves_past_a_seen_clock(log, decision):
