@@ -744,12 +744,12 @@ class MicrovmBackend:
         channel = await self._cold_boot(work, machine, disk, ram, net)
         async with await self._qmp(work) as q:
             try:
-                # Dirty pages written now land in the overlay before it is frozen, not later in
-                # every clone (which would make each clone's disk differ from the baseline).
                 # Every clone starts with this page cache: the common programs are in it, so a
                 # clone's first command reads nothing from disk (under TCG the block I/O path
                 # costs a clone ~40 ms of code translation the first time it runs).
                 await self._guest_sh(channel, _TEMPLATE_WARMUP)
+                # Dirty pages written now land in the overlay before it is frozen, not later in
+                # every clone (which would make each clone's disk differ from the baseline).
                 await self._guest_sh(channel, "sync")
                 fd_source = _fd_source(channel)
                 fd_count = await self._fd_count(channel, fd_source)
