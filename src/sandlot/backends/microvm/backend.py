@@ -1521,19 +1521,12 @@ class MicrovmBackend:
         QEMU's own memory, not a second copy of the guest's.
         """
         work = vm_dir / f".{_STANDBY}"
-        try:
+        async with _standby_attempt(work, f"reset standby for {vm_dir.name}"):
             await self._discard_standby(vm_dir)
             work.mkdir(mode=0o700)
             await self._load_paused(work, machine, source, net)
             (work / _STANDBY_KEY).write_text(key)
             work.rename(vm_dir / _STANDBY)
-        except BaseException as e:
-            with anyio.CancelScope(shield=True):
-                await qemu.kill_vm(work)
-                shutil.rmtree(work, ignore_errors=True)
-            if not isinstance(e, Exception):
-                raise
-            _log.warning("microvm %s: no reset standby: %s", vm_dir.name, e)
 
     async def _load_paused(
         self, work: Path, machine: qemu.MachineConfig, source: Path, net: _Launch
@@ -1576,7 +1569,7 @@ class MicrovmBackend:
         if ready.exists():
             return
         work = ready.with_name(f".{secrets.token_hex(4)}")
-        try:
+        async with _standby_attempt(work, "create standby"):
             work.mkdir(parents=True, mode=0o700)
             net = _Launch()
             if machine.nic:
@@ -1591,14 +1584,6 @@ class MicrovmBackend:
                     raise FileExistsError(msg)
                 work.rename(ready)
             self._create_standbys.add(ready)
-        except BaseException as e:
-            with anyio.CancelScope(shield=True):
-                await qemu.kill_vm(work)
-                shutil.rmtree(work, ignore_errors=True)
-            if not isinstance(e, Exception):
-                raise
-            if not isinstance(e, FileExistsError):
-                _log.warning("microvm: no create standby: %s", e)
 
     async def _discard_create_standbys(self, readies: list[Path]) -> None:
         for ready in readies:
@@ -1664,6 +1649,23 @@ class MicrovmBackend:
             VerificationCheck("guest_fds", str(base.fd_count), fds),
         )
         return VerificationReport(checks, (time.perf_counter() - started) * 1000)
+
+
+@contextlib.asynccontextmanager
+async def _standby_attempt(work: Path, what: str) -> AsyncIterator[None]:
+    """Make a standby in ``work``, best effort: on a failure its QEMU and files go and the
+    error is logged, not raised (without a standby the next create or reset restores as
+    usual); only cancellation goes through."""
+    try:
+        yield
+    except BaseException as e:
+        with anyio.CancelScope(shield=True):
+            await qemu.kill_vm(work)
+            shutil.rmtree(work, ignore_errors=True)
+        if not isinstance(e, Exception):
+            raise
+        if not isinstance(e, FileExistsError):  # FileExistsError: another one is ready
+            _log.warning("microvm: no %s: %s", what, e)
 
 
 def _serves(channel: Channel, op: str) -> bool:
