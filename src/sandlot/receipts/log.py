@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NoReturn, TextIO, TypeVar, final
 
@@ -63,8 +63,13 @@ DEFAULT_LOG_ID = "sandlot.local/receipts"
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-# Batches at least this big are signed on two threads (handing half over costs ~50 µs).
+# Batches at least this big are signed on two threads (handing a chunk over costs ~20 µs).
 _PARALLEL_SIGNING = 16
+
+
+def _sign_each(sign: Callable[[bytes], bytes], messages: list[bytes]) -> list[bytes]:
+    return [sign(m) for m in messages]
+
 
 # The receipts columns in the order _row gives them. Appends insert with a plain positional
 # statement through exec_driver_sql: with insert(receipts), SQLAlchemy's compiled-statement
@@ -152,7 +157,7 @@ class ReceiptLog:
         self._checkpointed: tuple[int, float] | None = None  # (size, monotonic time)
         self._conn: Connection | None = None
         self._insert_sql = _insert_sql(engine.dialect.paramstyle)
-        self._signing: ThreadPoolExecutor | None = None  # see _sign_all
+        self._signing: ThreadPoolExecutor | None = None  # see _seal_entries
         # The PostgreSQL advisory lock key of this log: 64 signed bits of its id's hash.
         digest = hashlib.sha256(log_id.encode()).digest()
         self._lock_key = int.from_bytes(digest[:8], "big", signed=True)
@@ -358,9 +363,23 @@ class ReceiptLog:
     def _seal_entries(
         self, tail: _Tail, entries: Sequence[Entry], seen_lamport: int
     ) -> list[Receipt]:
-        # The chain runs through the payloads' hashes, not the signatures, so every payload
-        # is written first and the signatures made afterwards, in parallel for a batch.
+        # The chain runs through the payloads' hashes, not the signatures: a batch is drafted
+        # in order while a second thread signs what is drafted so far (libsodium releases the
+        # GIL; signing is a third of an append). Only our Ed25519 key: a KMS client may not
+        # take calls from two threads.
+        sign = self._signer.sign
+        helper = None
+        if len(entries) >= _PARALLEL_SIGNING and isinstance(self._signer, Ed25519Signer):
+            if self._signing is None:
+                self._signing = ThreadPoolExecutor(1, thread_name_prefix="receipt-signing")
+            helper = self._signing
+        # The helper takes the first chunks as they are drafted, about 60% of the batch: this
+        # thread also drafts, so it signs less.
+        chunk = max(8, len(entries) // 8)
+        handed_over = len(entries) * 6 // 10
+        pending: list[Future[list[bytes]]] = []
         drafts: list[tuple[dict[str, JsonValue], bytes, str]] = []
+        messages: list[bytes] = []
         prev, lamport = tail.entry_hash, max(tail.lamport, seen_lamport)
         key_id = self._signer.key_id
         for offset, entry in enumerate(entries, start=1):
@@ -375,25 +394,16 @@ class ReceiptLog:
             )
             prev = sha256_ref(payload)
             drafts.append((body, payload, prev))
-        sigs = self._sign_all([pae(PAYLOAD_TYPE, payload) for _, payload, _ in drafts])
+            messages.append(pae(PAYLOAD_TYPE, payload))
+            if helper is not None and offset % chunk == 0 and offset <= handed_over:
+                part = messages[offset - chunk : offset]
+                pending.append(helper.submit(_sign_each, sign, part))
+        mine = [sign(m) for m in messages[len(pending) * chunk :]]
+        sigs = [sig for future in pending for sig in future.result()] + mine
         return [
             seal_signed(body, payload, entry_hash, (Signature(key_id, sig),))
             for (body, payload, entry_hash), sig in zip(drafts, sigs, strict=True)
         ]
-
-    def _sign_all(self, messages: list[bytes]) -> list[bytes]:
-        """Sign each message; a large batch on two threads when the signer is our Ed25519 key
-        (libsodium releases the GIL, and signing is about a third of an append's cost).
-        Other signers (a KMS client, say) are called one message at a time."""
-        sign = self._signer.sign
-        if len(messages) < _PARALLEL_SIGNING or not isinstance(self._signer, Ed25519Signer):
-            return [sign(m) for m in messages]
-        if self._signing is None:
-            self._signing = ThreadPoolExecutor(1, thread_name_prefix="receipt-signing")
-        half = len(messages) // 2
-        first = self._signing.submit(lambda: [sign(m) for m in messages[:half]])
-        rest = [sign(m) for m in messages[half:]]
-        return first.result() + rest
 
     def _insert(self, conn: Connection, built: list[Receipt]) -> None:
         rows = [self._row(r) for r in built]

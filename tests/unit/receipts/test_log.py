@@ -69,7 +69,7 @@ def test_iterate_pages_through_the_whole_log(log, decision):
     assert [r.seq for r in log.iterate(from_seq=3, page=7)] == list(range(3, 26))
 
 
-@pytest.mark.parametrize("size", [10, 100])  # 100: signed on two threads
+@pytest.mark.parametrize("size", [10, 33, 100])  # 33, 100: signed on two threads
 def test_batch_is_one_chain(log, decision, size):
     batch = log.append_many([decision(n) for n in range(size)])
     for prev, cur in itertools.pairwise(batch):
