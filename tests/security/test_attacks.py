@@ -157,7 +157,8 @@ async def test_fork_bomb_is_contained(backend, isolation, spec_for) -> None:
     assert results[0].timed_out
     if isolation == "namespaces":
         assert 40 <= peak <= 48
-    assert (await run(backend, ref, "echo", "alive")).stdout == "alive\n"
+    after = await run(backend, ref, "echo", "alive")
+    assert after.stdout == "alive\n", after
     await backend.destroy(ref)
 
 

@@ -491,21 +491,29 @@ def kill_tree(
         for pid in found:
             _kill(pid, sig)
         return len(found)
-    stopped: List[int] = []
-    seen = set()
-    for _ in range(100):
-        new = [p for p in tree_members(roots, needle, parents) if p not in seen]
-        if not new:
+    killed = 0
+    # A member whose SIGSTOP was still pending can fork once more after the last scan (seen
+    # under gVisor, where signals arrive later): so the whole round repeats until a scan finds
+    # no member left.
+    for _ in range(20):
+        stopped: List[int] = []
+        seen = set()
+        for _ in range(100):
+            new = [p for p in tree_members(roots, needle, parents) if p not in seen]
+            if not new:
+                break
+            for pid in new:
+                _kill(pid, 19)
+                seen.add(pid)
+                stopped.append(pid)
+        for pid in stopped:
+            _kill(pid, 9)
+        for root in roots:
+            _ignore(os.killpg, root, 9)
+        if not stopped:
             break
-        for pid in new:
-            _kill(pid, 19)
-            seen.add(pid)
-            stopped.append(pid)
-    for pid in stopped:
-        _kill(pid, 9)
-    for root in roots:
-        _ignore(os.killpg, root, 9)
-    return len(stopped)
+        killed += len(stopped)
+    return killed
 
 
 # --- sessions: framing, flow control, dispatch ----------------------------------------------
@@ -2238,15 +2246,31 @@ class Agent:
                 errno=errno.errorcode.get(e.errno or 0, "E?"),
             ) from None
         try:
-            pid = os.posix_spawn(
-                path, argv, full, file_actions=actions, setsid=True, setsigdef=_SIGDEF
-            )
+            pid = self._posix_spawn(path, argv, full, actions)
         except OSError as e:
             code = 127 if e.errno == errno.ENOENT else 126
             raise SpawnFailed(code, "%s: %s" % (argv[0], e.strerror)) from None
         finally:
             os.chdir("/")
         return Child(pid, token)
+
+    def _posix_spawn(
+        self, path: str, argv: List[str], env: Dict[str, str], actions: List[Any]
+    ) -> int:
+        # EAGAIN means the sandbox's process limit is reached. Right after a runaway tree was
+        # killed (a fork bomb's timeout) its processes are still going away, so reap and try
+        # again for up to a second before reporting it.
+        deadline = time.monotonic() + 1.0
+        while True:
+            try:
+                return os.posix_spawn(
+                    path, argv, env, file_actions=actions, setsid=True, setsigdef=_SIGDEF
+                )
+            except OSError as e:
+                if e.errno != errno.EAGAIN or time.monotonic() >= deadline:
+                    raise
+            self.reaper.reap()
+            time.sleep(0.01)
 
     # processes
     def find_proc(self, req: JsonObj) -> BgProcess:
