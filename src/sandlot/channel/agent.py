@@ -2377,25 +2377,13 @@ class Agent:
 
                 # TCSANOW: bytes the host already sent must not be flushed away.
                 tty.setraw(fd, termios.TCSANOW)
-            wait_for_host(fd)
-
-        def wait_for_host(fd: int) -> None:
-            # While the host side is away the port reports a hang-up and reads end-of-file at
-            # once, so it is polled gently, and kept open: closing it would throw away what a
-            # host sent between that end-of-file and the close (its HELLO, which it would then
-            # wait a whole handshake timeout to repeat).
-            if _hung_up(fd):
-                state["delay"] = min(0.02, state["delay"] * 2)
-                self.loop.call_later(state["delay"], lambda: wait_for_host(fd))
-                return
-            state["delay"] = 0.005
             self.sessions.add(Session(self, fd, fd, closed))
 
         def closed(sess: Session, got_bytes: bool) -> None:
-            # The session closed the port: the host sees it close (it waits for that before
-            # saving a VM's memory), and a new host finds it open again shortly.
             self.sessions.discard(sess)
-            self.loop.call_later(0.005, open_device)
+            # While the host side is away the device reads end-of-file at once: poll gently.
+            state["delay"] = 0.005 if got_bytes else min(0.02, state["delay"] * 2)
+            self.loop.call_later(state["delay"], open_device)
 
         open_device()
 
@@ -2436,13 +2424,6 @@ class Agent:
         # Children that exited before the handler was installed still need reaping.
         self.reaper.reap()
         self.loop.run()
-
-
-def _hung_up(fd: int) -> bool:
-    """Whether the peer of a device (a virtio-serial port's host side) is away."""
-    probe = select.poll()
-    probe.register(fd, select.POLLIN)
-    return any(events & select.POLLHUP for _, events in probe.poll(0))
 
 
 def _grow_buffers(fd: int) -> None:
