@@ -396,7 +396,7 @@ def seal(body: dict[str, JsonValue], signers: Sequence[Signer]) -> Receipt:
     ``signers[0]`` is the key named by ``body["key_id"]``; a rotation adds the new key second.
     """
     payload = canonical_json(body)
-    return _sealed(body, payload, _int(body, "seq"), _int(body, "lamport"), signers)
+    return _sealed(body, payload, signers)
 
 
 def seal_entry(
@@ -423,7 +423,7 @@ def seal_entry(
         prev_hash=prev_hash,
         key_id=signers[0].key_id,
     )
-    return _sealed(body, payload, seq, lamport, signers)
+    return _sealed(body, payload, signers)
 
 
 def draft_entry(
@@ -465,19 +465,10 @@ def seal_signed(
     )
 
 
-def _sealed(
-    body: dict[str, JsonValue], payload: bytes, seq: int, lamport: int, signers: Sequence[Signer]
-) -> Receipt:
-    envelope = sign_envelope(PAYLOAD_TYPE, payload, signers)
-    return Receipt(
-        seq=seq,
-        lamport=lamport,
-        type=str(body["type"]),
-        entry_hash=sha256_ref(payload),
-        body=body,
-        envelope=envelope,
-        line=envelope.to_json(),
-    )
+def _sealed(body: dict[str, JsonValue], payload: bytes, signers: Sequence[Signer]) -> Receipt:
+    """Sign a drafted payload with every signer, in order, into its receipt."""
+    signatures = sign_envelope(PAYLOAD_TYPE, payload, signers).signatures
+    return seal_signed(body, payload, sha256_ref(payload), signatures)
 
 
 def _canonical_body(
