@@ -726,8 +726,7 @@ class MicrovmBackend:
                 await self._make_template(machine, work)
                 work.rename(tdir)
             finally:
-                await qemu.kill_vm(work)
-                shutil.rmtree(work, ignore_errors=True)
+                await _remove_vm_dir(work)
         return tdir
 
     async def _make_template(self, machine: qemu.MachineConfig, work: Path) -> None:
@@ -877,8 +876,7 @@ class MicrovmBackend:
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await self._drop(sandbox_id)
-                        await qemu.kill_vm(vm_dir)
-                        shutil.rmtree(vm_dir, ignore_errors=True)
+                        await _remove_vm_dir(vm_dir)
                         await self._teardown_network(sandbox_id)
                     raise
                 self._spawn_refill(machine)
@@ -930,8 +928,7 @@ class MicrovmBackend:
                 rec.save(vm_dir / "vm.json")
             except BaseException:
                 with anyio.CancelScope(shield=True):
-                    await qemu.kill_vm(vm_dir)
-                    shutil.rmtree(vm_dir, ignore_errors=True)
+                    await _remove_vm_dir(vm_dir)
                     await self._teardown_network(sandbox_id)
                 raise
         if self._pool_size and mode != "nat":
@@ -955,8 +952,7 @@ class MicrovmBackend:
             if entry.name.startswith("."):
                 continue
             if not qemu.is_running(entry):
-                await qemu.kill_vm(entry)
-                shutil.rmtree(entry, ignore_errors=True)
+                await _remove_vm_dir(entry)
                 continue
             try:
                 entry.rename(vm_dir)
@@ -1022,8 +1018,7 @@ class MicrovmBackend:
                     started += 1
                 except BaseException:
                     with anyio.CancelScope(shield=True):
-                        await qemu.kill_vm(work)
-                        shutil.rmtree(work, ignore_errors=True)
+                        await _remove_vm_dir(work)
                     raise
         finally:
             os.close(lock)
@@ -1053,8 +1048,7 @@ class MicrovmBackend:
                 async with _flock(lockfile):
                     pool = lockfile.with_suffix("")
                     for entry in sorted(pool.iterdir()) if pool.exists() else ():
-                        await qemu.kill_vm(entry)
-                        shutil.rmtree(entry, ignore_errors=True)
+                        await _remove_vm_dir(entry)
 
     async def start(self, ref: str, spec: SandboxSpec) -> None:
         """Resume a stopped VM from its saved memory (cold boot from its disk if none); its
@@ -1112,8 +1106,7 @@ class MicrovmBackend:
         async with _flock(self._root / "vms" / f"{ref}.lock"):
             await self._drop(ref)
             await self._discard_standby(vm_dir)
-            await qemu.kill_vm(vm_dir)
-            shutil.rmtree(vm_dir, ignore_errors=True)
+            await _remove_vm_dir(vm_dir)
             await self._teardown_network(ref)
         with contextlib.suppress(FileNotFoundError):
             (self._root / "vms" / f"{ref}.lock").unlink()
@@ -1386,8 +1379,7 @@ class MicrovmBackend:
                     rec.save(vm_dir / "vm.json")
                 except BaseException:
                     with anyio.CancelScope(shield=True):
-                        await qemu.kill_vm(vm_dir)
-                        shutil.rmtree(vm_dir, ignore_errors=True)
+                        await _remove_vm_dir(vm_dir)
                         await self._teardown_network(sid)
                     raise
             refs.append(sid)
@@ -1555,8 +1547,7 @@ class MicrovmBackend:
             if not ready.exists():
                 return False
             if not qemu.is_running(ready):
-                await qemu.kill_vm(ready)
-                shutil.rmtree(ready, ignore_errors=True)
+                await _remove_vm_dir(ready)
                 return False
             vm_dir.parent.mkdir(parents=True, exist_ok=True)
             ready.rename(vm_dir)
@@ -1590,15 +1581,13 @@ class MicrovmBackend:
             if not ready.parent.is_dir():
                 continue
             async with _flock(ready.parent.with_suffix(".lock")):
-                await qemu.kill_vm(ready)
-                shutil.rmtree(ready, ignore_errors=True)
+                await _remove_vm_dir(ready)
 
     async def _discard_standby(self, vm_dir: Path) -> None:
         """Kill and remove the VM's standby, ready or half made."""
         for path in (vm_dir / _STANDBY, vm_dir / f".{_STANDBY}"):
             if path.exists():
-                await qemu.kill_vm(path)
-                shutil.rmtree(path, ignore_errors=True)
+                await _remove_vm_dir(path)
 
     async def verify(self, ref: str) -> VerificationReport:
         """Compare the running VM with its baseline, without reverting anything.
@@ -1651,6 +1640,12 @@ class MicrovmBackend:
         return VerificationReport(checks, (time.perf_counter() - started) * 1000)
 
 
+async def _remove_vm_dir(path: Path) -> None:
+    """Kill the VM served from ``path`` (if any) and remove its directory."""
+    await qemu.kill_vm(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @contextlib.asynccontextmanager
 async def _standby_attempt(work: Path, what: str) -> AsyncIterator[None]:
     """Make a standby in ``work``, best effort: on a failure its QEMU and files go and the
@@ -1660,8 +1655,7 @@ async def _standby_attempt(work: Path, what: str) -> AsyncIterator[None]:
         yield
     except BaseException as e:
         with anyio.CancelScope(shield=True):
-            await qemu.kill_vm(work)
-            shutil.rmtree(work, ignore_errors=True)
+            await _remove_vm_dir(work)
         if not isinstance(e, Exception):
             raise
         if not isinstance(e, FileExistsError):  # FileExistsError: another one is ready
