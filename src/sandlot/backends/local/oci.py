@@ -132,9 +132,11 @@ def namespaces(netns_path: str | None) -> list[dict[str, str]]:
 
 GVISOR_PIDS_BASE = 256
 """Host pids that gVisor's own kernel and gofer need, whatever runs inside."""
-GVISOR_PIDS_PER_TASK = 64
-"""Host threads per sandbox task under gVisor's ptrace platform: about six idle, about 35 at the
-peak of a fork bomb, more on a busy host (a tracing thread per busy task, Go runtime threads)."""
+GVISOR_PIDS_PER_TASK = 128
+"""Host threads per sandbox task under gVisor's ptrace platform: about six idle, 50-65 at the
+peak of a fork bomb (measured: 2,400-3,050 host pids for a 48-task bomb), more on a busy host (a
+tracing thread per busy task, Go runtime threads). At 64 a bomb on a busy host now and then
+reached the bound and the sandbox's kernel died with it; 128 leaves twice the measured peak."""
 GVISOR_PIDS_CAP = 8192
 """The host-side bound under gVisor whatever the spec (and at most a quarter of the host's
 ``pid_max``): beyond it the sandbox's kernel fails (the sandbox dies), never the host."""
