@@ -595,7 +595,13 @@ class Stream:
 
 
 class Session:
-    """One protocol session over a byte stream (a socket connection or a device)."""
+    """One protocol session over a byte stream (a socket connection or a device).
+
+    A session on a device (``keep_fds``) leaves the device open when it ends, unless reading
+    or writing it failed: the next session continues on it. Such a session also ends when a
+    new host's MAGIC arrives where a frame should start (a device cannot tell two host
+    connections apart), handing those bytes to the next session in ``leftover``.
+    """
 
     def __init__(
         self,
@@ -603,12 +609,17 @@ class Session:
         rfd: int,
         wfd: int,
         on_close: Optional[Callable[[Session, bool], None]] = None,
+        keep_fds: bool = False,
     ) -> None:
         self.agent = agent
         self.loop = agent.loop
         self.rfd = rfd
         self.wfd = wfd
         self.on_close = on_close
+        self.keep_fds = keep_fds
+        self.fds_closed = False
+        self.leftover = b""
+        self.detach_when_flushed = False
         self.pend: List[bytes] = []
         self.pend_len = 0
         self.need = len(MAGIC)
@@ -636,6 +647,7 @@ class Session:
         except BlockingIOError:
             return
         except OSError as e:
+            self.keep_fds = False
             self.close("read failed: %s" % e)
             return
         if not data:
@@ -673,6 +685,12 @@ class Session:
                 self.need = HEADER_SIZE
                 break
             length, ftype, chan, sid = HEADER.unpack_from(buf, off)
+            if length > MAX_PAYLOAD and self.keep_fds and buf.startswith(MAGIC, off):
+                # A new host on the device while this session still waited for its old host's
+                # next frame (it had not read the hang-up yet): the new one starts afresh.
+                self.leftover = buf[off:]
+                self.close("a new host")
+                return
             if length > MAX_PAYLOAD:
                 self.protocol_error(
                     "frame of %d bytes exceeds the %d-byte limit" % (length, MAX_PAYLOAD)
@@ -844,6 +862,7 @@ class Session:
             except BlockingIOError:
                 n = -1
             except OSError as e:
+                self.keep_fds = False
                 self.close("write failed: %s" % e)
                 return
             if n < 0:
@@ -863,6 +882,9 @@ class Session:
         if self.writing:
             self.writing = False
             self.loop.del_writer(self.wfd)
+        if self.detach_when_flushed:
+            self.close("detached")
+            return
         if self.blocked and self.outq_bytes < OUTQ_LOW:
             blocked, self.blocked = self.blocked, set()
             for st in blocked:
@@ -893,8 +915,10 @@ class Session:
                 log_exc("abort failed")
         self.outq.clear()
         self.outq_bytes = 0
-        for fd in {self.rfd, self.wfd}:
-            _ignore(os.close, fd)
+        if not self.keep_fds:
+            self.fds_closed = True
+            for fd in {self.rfd, self.wfd}:
+                _ignore(os.close, fd)
         if self.on_close is not None:
             self.on_close(self, self.got_bytes)
 
@@ -2062,6 +2086,15 @@ def op_clock_set(sess: Session, sid: int, req: JsonObj) -> JsonObj:
     return {"time": time.time()}
 
 
+def op_session_detach(sess: Session, sid: int, req: JsonObj) -> JsonObj:
+    # The host is about to hang up and save the VM's memory: once this reply is out, the
+    # session ends (its streams are cancelled) and the next bytes on the device belong to a new
+    # session. So a saved VM always holds an agent waiting for a new host's HELLO, which the
+    # host knows from this reply alone (QEMU's port events are rate-limited).
+    sess.detach_when_flushed = True
+    return {}
+
+
 def op_fd_count(sess: Session, sid: int, req: JsonObj) -> JsonObj:
     # Open descriptors of every process but the agent's own (those depend on how many host
     # connections are open at the instant). A reset's verification compares this with the
@@ -2103,6 +2136,7 @@ OPS: Dict[str, Handler] = {
     "agent.info": op_info,
     "clock.set": op_clock_set,
     "fd.count": op_fd_count,
+    "session.detach": op_session_detach,
 }
 
 
@@ -2360,30 +2394,65 @@ class Agent:
         self.sessions.add(Session(self, rfd, wfd, done))
 
     def serve_device(self, path: str) -> None:
-        state = {"delay": 0.005}
+        delay = 0.005
+        # The device, registered edge-triggered: this epoll becomes readable when the port
+        # changes (the guest's virtio-console driver wakes a port's pollers when a host
+        # connects), so waiting for a host costs neither polling latency nor idle CPU.
+        changes = select.epoll()
+        safety: Optional[Timer] = None
 
         def open_device() -> None:
+            nonlocal delay
             try:
                 fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC | os.O_NONBLOCK)
             except OSError as e:
-                if state["delay"] >= 0.02:
+                if delay >= 0.02:
                     log("cannot open %s: %s; retrying" % (path, e))
-                state["delay"] = min(1.0, state["delay"] * 2)
-                self.loop.call_later(state["delay"], open_device)
+                delay = min(1.0, delay * 2)
+                self.loop.call_later(delay, open_device)
                 return
+            delay = 0.005
             if os.isatty(fd):
                 import termios
                 import tty
 
                 # TCSANOW: bytes the host already sent must not be flushed away.
                 tty.setraw(fd, termios.TCSANOW)
-            self.sessions.add(Session(self, fd, fd, closed))
+            try:
+                changes.register(fd, select.EPOLLIN | select.EPOLLOUT | select.EPOLLET)
+            except FileExistsError:  # closing the old descriptor should have removed it
+                changes.modify(fd, select.EPOLLIN | select.EPOLLOUT | select.EPOLLET)
+            wait_for_host(fd, b"")
+
+        def wait_for_host(fd: int, leftover: bytes) -> None:
+            # While the host side is away the port reports a hang-up and reads end-of-file at
+            # once, so it is not read but kept open until a host is there: closing it would
+            # throw away what a host sent between that end-of-file and the close (its HELLO,
+            # which it would then wait a whole handshake timeout to repeat).
+            nonlocal safety
+            if safety is not None:
+                safety.cancel()
+                safety = None
+            changes.poll(0)  # consumed: only a change after this look wakes us again
+            if _hung_up(fd):
+                self.loop.set_reader(changes.fileno(), lambda: wait_for_host(fd, b""))
+                # And a slow look of our own, should a port not wake its pollers.
+                safety = self.loop.call_later(1.0, lambda: wait_for_host(fd, b""))
+                return
+            self.loop.del_reader(changes.fileno())
+            sess = Session(self, fd, fd, closed, keep_fds=True)
+            self.sessions.add(sess)
+            if leftover:
+                sess.parse(leftover)
 
         def closed(sess: Session, got_bytes: bool) -> None:
             self.sessions.discard(sess)
-            # While the host side is away the device reads end-of-file at once: poll gently.
-            state["delay"] = 0.005 if got_bytes else min(0.02, state["delay"] * 2)
-            self.loop.call_later(state["delay"], open_device)
+            if sess.fds_closed:
+                self.loop.call_later(0.005, open_device)
+            else:
+                # The next session starts from the loop, not inside this one's parsing.
+                fd, leftover = sess.rfd, sess.leftover
+                self.loop.call_soon(lambda: wait_for_host(fd, leftover))
 
         open_device()
 
@@ -2424,6 +2493,13 @@ class Agent:
         # Children that exited before the handler was installed still need reaping.
         self.reaper.reap()
         self.loop.run()
+
+
+def _hung_up(fd: int) -> bool:
+    """Whether the peer of a device (a virtio-serial port's host side) is away."""
+    probe = select.poll()
+    probe.register(fd, select.POLLIN)
+    return any(events & select.POLLHUP for _, events in probe.poll(0))
 
 
 def _grow_buffers(fd: int) -> None:

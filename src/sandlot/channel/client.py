@@ -836,6 +836,15 @@ class AgentChannel:
             raise BackendError(msg)
         return count
 
+    async def detach(self) -> None:
+        """End the agent's side of this session (needs an agent that serves
+        ``session.detach``); only :meth:`close` is of use after. Once this returns, the agent has
+        cancelled the session's streams and takes the next bytes it reads as a new host's: over
+        a device (a VM's virtio-serial port), where the agent cannot see one host connection end
+        and the next begin, this is how the host knows the agent waits for a new one, e.g.
+        before the VM's memory is saved."""
+        await self._call({"op": "session.detach"})
+
     async def close(self) -> None:
         """Release the connection (the sandbox and its background processes keep running).
 

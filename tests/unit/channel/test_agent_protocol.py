@@ -427,3 +427,71 @@ def test_device_mode_over_a_terminal_with_stale_bytes(tmp_path: Path) -> None:
         assert proc.wait(10) == 0
         for fd in (master, slave, *decoy):
             os.close(fd)
+
+
+def test_device_mode_takes_a_new_host_mid_session_and_detaches(
+    tmp_path: Path, survivors, eventually
+) -> None:
+    """Over a device the agent cannot see one host leave and the next arrive: a new host's
+    MAGIC where a frame should start begins a new session (the old one's command is killed), and
+    after ``session.detach`` the next bytes are a new session's too. The device is never closed,
+    so nothing a new host sends is lost."""
+    import select
+    import tty
+
+    decoy = os.openpty()  # see test_device_mode_over_a_terminal_with_stale_bytes
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    slave_path = os.ttyname(slave)
+    marker = tmp_path / "old-session-command"
+    tag = f"SANDLOT_TEST_OLD_SESSION={os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", str(AGENT_PATH), "--device", slave_path, "--quiet"],
+        start_new_session=True,
+    )
+
+    def hello_then(request: dict[str, object]) -> bytes:
+        return (
+            MAGIC
+            + encode_frame(FrameType.HELLO, 0, encode_json({"versions": [1]}))
+            + encode_frame(FrameType.OPEN, 1, encode_json(request))
+        )
+
+    def read_session(until: FrameType, dec: FrameDecoder | None = None) -> list:
+        # A new decoder is a new host: it skips everything before the agent's next MAGIC.
+        dec = dec or FrameDecoder()
+        frames: list = []
+        deadline = time.monotonic() + 10
+        while not any(f.type == until for f in frames) and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                frames += dec.feed(os.read(master, 65536))
+        return frames
+
+    try:
+        sleeper = ["sh", "-c", f"touch {marker}; exec sleep 60"]
+        name, value = tag.split("=")
+        os.write(master, hello_then({"op": "exec", "argv": sleeper, "env": {name: value}}))
+        frames = read_session(FrameType.HELLO)
+        assert [f.type for f in frames][:1] == [FrameType.HELLO]
+        assert eventually(marker.exists)
+        assert survivors(tag) != []
+        # A second host, with no hang-up in between.
+        os.write(master, hello_then({"op": "exec", "argv": ["echo", "second host"]}))
+        second = FrameDecoder()
+        frames = read_session(FrameType.END, second)
+        assert frames[0].type == FrameType.HELLO
+        assert b"".join(f.payload for f in frames if f.type == FrameType.DATA) == b"second host\n"
+        assert eventually(lambda: survivors(tag) == [])
+        # The host detaches; the next bytes start a new session.
+        os.write(master, encode_frame(FrameType.OPEN, 2, encode_json({"op": "session.detach"})))
+        frames = read_session(FrameType.END, second)
+        assert decode_json(frames[-1].payload) == {"ok": True, "result": {}}
+        os.write(master, hello_then({"op": "exec", "argv": ["echo", "third host"]}))
+        frames = read_session(FrameType.END)
+        assert frames[0].type == FrameType.HELLO
+        assert b"".join(f.payload for f in frames if f.type == FrameType.DATA) == b"third host\n"
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+        for fd in (master, slave, *decoy):
+            os.close(fd)

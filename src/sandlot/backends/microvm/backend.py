@@ -101,6 +101,7 @@ from pathlib import Path
 from typing import Final, Literal, final
 
 import anyio
+import anyio.abc
 
 from sandlot import config
 from sandlot.backends.base import BackendState, Capabilities, DoctorCheck, SnapshotRef
@@ -539,8 +540,11 @@ class MicrovmBackend:
             raise BackendError(msg)
         return status
 
-    async def _open_channel(self, vm_dir: Path, timeout: float) -> Channel:
-        """Connect to the guest agent; returns once its HELLO arrived.
+    async def _open_channel(
+        self, vm_dir: Path, timeout: float, stream: anyio.abc.ByteStream | None = None
+    ) -> Channel:
+        """Connect to the guest agent (the first attempt on ``stream`` when given, a connection
+        made already); returns once its HELLO arrived.
 
         The handshake is retried on a fresh connection: over virtio-serial the guest cannot
         tell two host connections apart unless it read end-of-file in between, so a HELLO sent
@@ -557,7 +561,8 @@ class MicrovmBackend:
             if remaining <= 0:
                 break
             try:
-                stream = await connect_unix(vm_dir / qemu.AGENT_SOCKET)
+                if stream is None:
+                    stream = await connect_unix(vm_dir / qemu.AGENT_SOCKET)
             except OSError as e:
                 if not qemu.is_running(vm_dir):
                     msg = f"microvm {vm_dir.name} exited; console: {_serial_tail(vm_dir)}"
@@ -569,6 +574,7 @@ class MicrovmBackend:
                 return await connect_stream(stream, timeout=min(attempt_timeout, remaining))
             except SandboxError as e:
                 last = e
+            stream = None
             if not qemu.is_running(vm_dir):
                 msg = f"microvm {vm_dir.name} exited; console: {_serial_tail(vm_dir)}"
                 raise BackendError(msg) from last
@@ -752,11 +758,11 @@ class MicrovmBackend:
                 await self._guest_sh(channel, "sync")
                 fd_source = _fd_source(channel)
                 fd_count = await self._fd_count(channel, fd_source)
+                await _leave_agent_idle(channel, q)
+                await q.execute("stop")
+                await _migrate_to(q, work / "state.bin", ignore_shared=True)
             finally:
                 await channel.close()
-            await _wait_agent_idle(q)
-            await q.execute("stop")
-            await _migrate_to(q, work / "state.bin", ignore_shared=True)
         await qemu.kill_vm(work)
         baseline = _Baseline(
             "template", "", _sha256(disk), fd_count, "running", fd_source=fd_source
@@ -815,14 +821,22 @@ class MicrovmBackend:
         """Run a VM that :meth:`_load` left loaded and connect to its agent; with ``hash_disk``,
         the overlay's hash taken before the guest runs."""
         disk_hash: str | None = None
+        stream: anyio.abc.ByteStream | None = None
         try:
             async with await self._qmp(vm_dir) as q:
                 if hash_disk:
                     disk_hash = await anyio.to_thread.run_sync(_sha256, vm_dir / "disk.qcow2")
                 if status == "paused":
+                    # Connected before the guest runs: a VM saved with its host connected (see
+                    # _leave_agent_idle) then finds one at once, and its agent reads our HELLO
+                    # without going through a hang-up and a reconnection first.
+                    with contextlib.suppress(OSError):
+                        stream = await connect_unix(vm_dir / qemu.AGENT_SOCKET)
                     await q.execute("cont")
-            channel = await self._open_channel(vm_dir, self._restore_timeout)
+            channel = await self._open_channel(vm_dir, self._restore_timeout, stream)
         except BaseException:
+            if stream is not None:
+                await stream.aclose()  # if _open_channel has not already
             await qemu.kill_vm(vm_dir)
             raise
         return channel, disk_hash
@@ -1212,19 +1226,19 @@ class MicrovmBackend:
                         await self._guest_sh(channel, "sync")
                         fd_source = _fd_source(channel)
                         fd_count = await self._fd_count(channel, fd_source)
+                        await _leave_agent_idle(channel, q)
+                        await q.execute("stop")
+                        try:
+                            await _migrate_to(q, work / "mem.bin")
+                            # Migration flushed and released the disk: it matches the memory.
+                            await anyio.to_thread.run_sync(
+                                _copy, vm_dir / "disk.qcow2", work / "disk.qcow2"
+                            )
+                        finally:
+                            with anyio.CancelScope(shield=True):
+                                await q.execute("cont")
                     finally:
                         await channel.close()
-                    await _wait_agent_idle(q)
-                    await q.execute("stop")
-                    try:
-                        await _migrate_to(q, work / "mem.bin")
-                        # Migration flushed and released the disk: it matches the memory.
-                        await anyio.to_thread.run_sync(
-                            _copy, vm_dir / "disk.qcow2", work / "disk.qcow2"
-                        )
-                    finally:
-                        with anyio.CancelScope(shield=True):
-                            await q.execute("cont")
                 baseline = _Baseline(
                     "snapshot",
                     "",
@@ -1719,13 +1733,22 @@ async def _create_overlay(image: ImagePaths, disk: Path) -> None:
         raise BackendError(msg)
 
 
-async def _wait_agent_idle(q: QmpClient, timeout: float = 5.0) -> None:
-    """Wait until the guest agent closed its port after our hang-up.
+async def _leave_agent_idle(channel: Channel, q: QmpClient, timeout: float = 5.0) -> None:
+    """Leave the guest agent waiting for a new host; ``channel`` is of no more use after.
 
-    A memory snapshot must hold an agent waiting for a new host: one still inside our session
-    would take the next host's HELLO for a frame of that old session. The agent closes the
-    port when it reads end-of-file, and QEMU reports that as ``VSERPORT_CHANGE``.
+    A memory snapshot must hold such an agent: one still inside our session would take the next
+    host's HELLO for a frame of that old session. An agent that serves ``session.detach`` is
+    there once it answers, and the connection stays up while the memory is saved: a VM restored
+    with its host connected before it runs then sees no hang-up and reconnection (see
+    :meth:`MicrovmBackend._resume`). An agent without it closes its port when it reads our
+    hang-up, which QEMU reports as ``VSERPORT_CHANGE`` (rate-limited to one a second per port,
+    so waiting for it can take that long).
     """
+    if _serves(channel, "session.detach"):
+        assert isinstance(channel, AgentChannel)
+        await channel.detach()
+        return
+    await channel.close()
     with anyio.move_on_after(timeout):
         while True:
             event = await q.wait_event("VSERPORT_CHANGE")
