@@ -1,8 +1,8 @@
 """The microvm backend's latencies and memory, next to baselines measured in the same run.
 
 Rows: cold boot to a responsive agent (a template build), template restore -> first exec,
-exec overhead against a bare ``subprocess.run`` on the host (and the ``local`` backend when it
-is importable), verified reset, stop/start with memory, snapshot, and host memory (PSS) per idle
+exec overhead against a bare ``subprocess.run`` on the host and the ``local`` backend (crun
+namespaces; left out, saying why, where it cannot run), verified reset, stop/start with memory, snapshot, and host memory (PSS) per idle
 VM. Usage::
 
     .venv/bin/python bench/microvm.py                 # 20 creates, 100 execs, 1,000 resets
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import anyio
 
+from sandlot.backends.base import Backend
 from sandlot.backends.microvm import MicrovmBackend, build_image, qemu
 from sandlot.models import SandboxSpec, new_id
 
@@ -52,7 +53,7 @@ def pss_kib(pid: int) -> int:
     return 0
 
 
-async def exec_ms(backend: MicrovmBackend, ref: str, argv: list[str], n: int) -> list[float]:
+async def exec_ms(backend: Backend, ref: str, argv: list[str], n: int) -> list[float]:
     channel = await backend.channel(ref)
     out = []
     try:
@@ -64,6 +65,31 @@ async def exec_ms(backend: MicrovmBackend, ref: str, argv: list[str], n: int) ->
     finally:
         await channel.close()
     return out
+
+
+async def local_rows(state: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """The same create -> first exec and warm exec on the ``local`` backend (namespaces)."""
+    from sandlot.backends.local import LocalBackend
+
+    local = LocalBackend(state)
+    try:
+        await local.destroy(await local.create(new_id("sb"), SPEC))  # builds its root fs once
+        total = []
+        for _ in range(args.creates):
+            t0 = time.perf_counter()
+            ref = await local.create(new_id("sb"), SPEC)
+            channel = await local.channel(ref)
+            result = await channel.exec(["true"])
+            total.append((time.perf_counter() - t0) * 1000)
+            await channel.close()
+            assert result.exit_code == 0
+            await local.destroy(ref)
+        ref = await local.create(new_id("sb"), SPEC)
+        execs = await exec_ms(local, ref, ["true"], args.execs)
+        await local.destroy(ref)
+    finally:
+        await local.aclose()
+    return {"create -> first exec": total, "exec 'true' (warm)": execs}
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -79,6 +105,11 @@ async def main(args: argparse.Namespace) -> None:
             t = time.perf_counter()
             subprocess.run(["true"], check=True)  # noqa: ASYNC221 - the blocking call is the baseline
             host.append((time.perf_counter() - t) * 1000)
+        try:
+            local = await local_rows(Path(tmp) / "local", args)
+        except Exception as e:  # the comparison is optional: say why it is missing
+            print(f"local backend left out: {e}", file=sys.stderr)
+            local = {}
 
         t = time.perf_counter()
         first = await backend.create(new_id("sb"), SPEC)  # builds the template: a cold boot
@@ -171,6 +202,8 @@ async def main(args: argparse.Namespace) -> None:
 
         print(f"\n{'what':<44} {'p50':>11} {'p99':>11} {'min':>11}")
         row("baseline: subprocess.run(['true']) on host", host)
+        for name, values in local.items():
+            row(f"baseline: local backend, {name}", values)
         row("cold boot -> agent (template build)", [cold])
         row("create (template restore + clock set)", creates)
         row("  then first exec", first_exec)
