@@ -77,9 +77,11 @@ forking across the two fails with :class:`NotSupported`. Commands started throug
 
 Agent connections: QEMU's socket for the virtio-serial port serves one host connection at a
 time, and the guest only learns that the host hung up when its read returns end-of-file. The
-connection an operation ends with is therefore handed to the next :meth:`channel` call of the
-same object instead of being closed and reopened, and :meth:`_open_channel` retries the
-handshake when it lands in the agent's stale session.
+agent therefore starts a new session when a new host's preamble arrives where a frame of the old
+session should (docs/agent-protocol.md), and ends its session on ``session.detach``, which the
+host sends before a VM's memory is saved. The connection an operation ends with is handed to
+the next :meth:`channel` call of the same object (no reconnection at all), and
+:meth:`_open_channel` retries the handshake for agents without these.
 """
 
 from __future__ import annotations
@@ -546,11 +548,11 @@ class MicrovmBackend:
         """Connect to the guest agent (the first attempt on ``stream`` when given, a connection
         made already); returns once its HELLO arrived.
 
-        The handshake is retried on a fresh connection: over virtio-serial the guest cannot
-        tell two host connections apart unless it read end-of-file in between, so a HELLO sent
-        right after an earlier connection closed can land in the agent's stale session (it
-        answers with a protocol error and starts over), and bytes sent while the guest has the
-        port closed are dropped. Each retry closes, lets the agent see the hang-up, and says
+        The handshake is retried on a fresh connection. Our agent takes a HELLO that lands in
+        the session of an earlier connection (over virtio-serial the guest cannot tell two host
+        connections apart unless it read end-of-file in between) as a new host's, but an older
+        agent in a user's image answers it with a protocol error or drops it, and a guest still
+        booting has no agent yet. Each retry closes, lets the agent see the hang-up, and says
         HELLO again.
         """
         deadline = anyio.current_time() + timeout
