@@ -142,9 +142,13 @@ class Entry:
                 check_digest_ref(ref)
         if self.policy is not None:
             check_digest_ref(self.policy.policy_hash)
-        if self.exit_code is not None and abs(self.exit_code) > _MAX_SAFE_INT:
-            msg = f"exit_code out of range: {self.exit_code}"
-            raise InvalidRequest(msg)
+        if self.exit_code is not None:
+            if not isinstance(self.exit_code, int) or isinstance(self.exit_code, bool):
+                msg = f"exit_code must be an integer, not {self.exit_code!r}"
+                raise InvalidRequest(msg)
+            if abs(self.exit_code) > _MAX_SAFE_INT:
+                msg = f"exit_code out of range: {self.exit_code}"
+                raise InvalidRequest(msg)
         _check_shape(self)
 
     def fields(self) -> dict[str, JsonValue]:

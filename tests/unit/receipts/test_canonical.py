@@ -149,6 +149,10 @@ class _Verdict(enum.Enum):
     ALLOW = "ALLOW"
 
 
+class _ExitCode(enum.IntEnum):
+    FAILED = 1
+
+
 # Values that json.dumps and RFC 8785 may write differently, or that cannot be written at all.
 _ODD = [5, 1.5, True, _Op.EXEC, "\ud800", ("\ud800",)]
 _ODD_VALUES = {
@@ -156,7 +160,7 @@ _ODD_VALUES = {
     "op": _ODD,
     "principal": _ODD,
     "intent_id": _ODD,
-    "exit_code": [1.5, True],
+    "exit_code": [_ExitCode.FAILED],  # an int subclass (other types: Entry refuses them)
     "decision": [_Verdict.ALLOW],
     "detail": [{"x": 1.5}, {"x": 2**53}, {"\ud800": 1}],
     "policy.engine": _ODD,
@@ -251,3 +255,9 @@ def test_ordinary_receipts_take_the_fast_path():
         chain = _chain(7, 9)
         body = {**entry.fields(), "v": 1, **chain, "key_id": _SIGNER.key_id}
         assert _canonical_body(entry, key_id=_SIGNER.key_id, **chain) == canonical_json(body)
+
+
+@pytest.mark.parametrize("exit_code", ["0", 1.5, True, 2**60])
+def test_entry_refuses_an_exit_code_that_is_not_a_safe_integer(exit_code):
+    with pytest.raises(InvalidRequest, match="exit_code"):
+        Entry(type="execution", exit_code=exit_code)
