@@ -19,7 +19,8 @@ State directory layout (everything another process needs to find a VM again)::
         template.json        the baseline: disk hash, guest fd count, VMM state
     snapshots/<snapshot_id>/ mem.bin (full migration stream), disk.qcow2, snapshot.json
     pool/<fingerprint>/pool-*/  warm VMs (restored, clock set, exec path warmed) to claim
-    standby/<fingerprint>/ready/  a paused clone of the template for the next create
+    standby/<fingerprint>/ready/  a paused clone of the template for the next create (made
+                             from an object's second create on)
     egress/<token>.sock      a VM's egress proxy socket (served by the network daemon)
     network/                 the network service's state (:class:`SandboxNetworks`)
     boot-stats.json          cold boots and how many needed the retry after a hang
@@ -372,6 +373,9 @@ class MicrovmBackend:
         # _open_channel), which costs a handshake retry.
         self._handover: dict[str, Channel] = {}
         self._create_standbys: set[Path] = set()  # the ones this object made
+        # Creates so far: an object's first create makes no create standby, which a one-shot
+        # process (a CLI command) would only remove again at aclose().
+        self._creates = 0
         for sub in ("vms", "templates", "snapshots", "pool", "egress"):
             (self._root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
         self._networks = networks or SandboxNetworks(self._root / "network")
@@ -868,6 +872,8 @@ class MicrovmBackend:
                     await self._start_locked(sandbox_id, spec.network)
                 return sandbox_id
             tdir = await self._template(machine)
+            make_standby = mode != "nat" and self._creates > 0
+            self._creates += 1
             # A pooled VM with a NIC runs in proxy mode: a nat VM lives in a namespace named
             # after its sandbox, which a pooled one does not know yet.
             if self._pool_size and mode != "nat" and await self._claim(machine, vm_dir):
@@ -913,7 +919,7 @@ class MicrovmBackend:
                     status = await self._load(vm_dir, machine, tdir, net)
                 failure: BaseException | None = None
                 async with anyio.create_task_group() as tg:
-                    if mode != "nat":
+                    if make_standby:
                         # Made while this guest wakes up (CPU-bound on one core under TCG).
                         tg.start_soon(self._make_create_standby, machine, tdir)
                     try:
