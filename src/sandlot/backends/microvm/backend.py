@@ -98,10 +98,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Final, Literal, final
+from typing import Any, Final, Literal, TypeVar, final
 
 import anyio
 import anyio.abc
@@ -153,6 +153,8 @@ NetMode = Literal["none", "proxy", "nat"]
 network namespace (see the module docstring)."""
 
 FdSource = Literal["agent", "shell"]
+
+_T = TypeVar("_T")
 
 _log = logging.getLogger(__name__)
 
@@ -917,25 +919,22 @@ class MicrovmBackend:
                     _copy(tdir / "disk.qcow2", vm_dir / "disk.qcow2")
                     net = self._launch(sandbox_id, mode, socket)
                     status = await self._load(vm_dir, machine, tdir, net)
-                failure: BaseException | None = None
-                async with anyio.create_task_group() as tg:
-                    if make_standby:
-                        # Made while this guest wakes up (CPU-bound on one core under TCG).
-                        tg.start_soon(self._make_create_standby, machine, tdir)
+
+                async def wake() -> Channel:
+                    channel, _ = await self._resume(vm_dir, status)
                     try:
-                        channel, _ = await self._resume(vm_dir, status)
-                        try:
-                            await self._sync_clock(channel, mode)
-                            if spec.workdir != _WORKDIR:
-                                await channel.mkdir(spec.workdir)
-                        except BaseException:
-                            await channel.close()
-                            raise
-                    except BaseException as e:
-                        failure = e  # raised below, outside an exception group
-                        tg.cancel_scope.cancel()
-                if failure is not None:
-                    raise failure
+                        await self._sync_clock(channel, mode)
+                        if spec.workdir != _WORKDIR:
+                            await channel.mkdir(spec.workdir)
+                    except BaseException:
+                        await channel.close()
+                        raise
+                    return channel
+
+                standby = (
+                    (lambda: self._make_create_standby(machine, tdir)) if make_standby else None
+                )
+                channel = await _beside_standby(standby, wake)
                 self._keep(sandbox_id, channel)
                 rec = _VmRecord(
                     sandbox_id,
@@ -1459,19 +1458,12 @@ class MicrovmBackend:
             if not await self._take_standby(vm_dir, standby_key):
                 _copy(source / "disk.qcow2", vm_dir / "disk.qcow2")
                 await self._load(vm_dir, machine, source, net)
-            failure: BaseException | None = None
-            async with anyio.create_task_group() as tg:
-                if base.kind == "template":
-                    tg.start_soon(self._make_standby, vm_dir, machine, source, net, standby_key)
-                try:
-                    report = await self._resume_verified(vm_dir, rec, base, started)
-                except BaseException as e:
-                    # Raised once the standby task is cancelled, and not inside an exception
-                    # group: callers catch ResetVerificationFailed itself.
-                    failure = e
-                    tg.cancel_scope.cancel()
-            if failure is not None:
-                raise failure
+            report = await _beside_standby(
+                (lambda: self._make_standby(vm_dir, machine, source, net, standby_key))
+                if base.kind == "template"
+                else None,
+                lambda: self._resume_verified(vm_dir, rec, base, started),
+            )
             if not report.ok:
                 raise _verification_error(ref, report)
             return report
@@ -1666,6 +1658,30 @@ async def _remove_vm_dir(path: Path) -> None:
     """Kill the VM served from ``path`` (if any) and remove its directory."""
     await qemu.kill_vm(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+async def _beside_standby(
+    standby: Callable[[], Coroutine[Any, Any, None]] | None, body: Callable[[], Awaitable[_T]]
+) -> _T:
+    """``body()``, with ``standby()`` making the next create's or reset's standby beside it
+    while this guest wakes up (CPU-bound on one core under TCG).
+
+    A failure of ``body`` cancels the standby and is raised as itself, not inside an exception
+    group: callers catch ``ResetVerificationFailed`` and the like by type. The standby's own
+    failures never surface (:func:`_standby_attempt`).
+    """
+    failure: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+        if standby is not None:
+            tg.start_soon(standby)
+        try:
+            result = await body()
+        except BaseException as e:
+            failure = e
+            tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return result
 
 
 @contextlib.asynccontextmanager
