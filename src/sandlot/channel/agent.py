@@ -608,7 +608,7 @@ class Session:
         agent: Agent,
         rfd: int,
         wfd: int,
-        on_close: Optional[Callable[[Session, bool], None]] = None,
+        on_close: Optional[Callable[[Session], None]] = None,
         keep_fds: bool = False,
     ) -> None:
         self.agent = agent
@@ -617,7 +617,6 @@ class Session:
         self.wfd = wfd
         self.on_close = on_close
         self.keep_fds = keep_fds
-        self.fds_closed = False
         self.leftover = b""
         self.detach_when_flushed = False
         self.pend: List[bytes] = []
@@ -625,7 +624,6 @@ class Session:
         self.need = len(MAGIC)
         self.synced = False
         self.ready = False
-        self.got_bytes = False
         self.outq: deque[Any] = deque()
         self.outq_bytes = 0
         self.writing = False
@@ -653,7 +651,6 @@ class Session:
         if not data:
             self.close("end of stream")
             return
-        self.got_bytes = True
         self.pend.append(data)
         self.pend_len += len(data)
         if self.pend_len >= self.need:
@@ -916,11 +913,10 @@ class Session:
         self.outq.clear()
         self.outq_bytes = 0
         if not self.keep_fds:
-            self.fds_closed = True
             for fd in {self.rfd, self.wfd}:
                 _ignore(os.close, fd)
         if self.on_close is not None:
-            self.on_close(self, self.got_bytes)
+            self.on_close(self)
 
 
 def _as_agent_error(e: Exception, op: str) -> AgentError:
@@ -2377,7 +2373,7 @@ class Agent:
 
         self.loop.set_reader(fd, on_accept)
 
-    def _dropped(self, sess: Session, got_bytes: bool) -> None:
+    def _dropped(self, sess: Session) -> None:
         self.sessions.discard(sess)
 
     def serve_stdio(self) -> None:
@@ -2387,7 +2383,7 @@ class Agent:
         os.set_inheritable(rfd, False)
         os.set_inheritable(wfd, False)
 
-        def done(sess: Session, got_bytes: bool) -> None:
+        def done(sess: Session) -> None:
             self.sessions.discard(sess)
             self.shutdown("end of stdin")
 
@@ -2445,9 +2441,9 @@ class Agent:
             if leftover:
                 sess.parse(leftover)
 
-        def closed(sess: Session, got_bytes: bool) -> None:
+        def closed(sess: Session) -> None:
             self.sessions.discard(sess)
-            if sess.fds_closed:
+            if not sess.keep_fds:  # reading or writing it failed: it was closed
                 self.loop.call_later(0.005, open_device)
             else:
                 # The next session starts from the loop, not inside this one's parsing.
