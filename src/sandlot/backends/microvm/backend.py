@@ -48,9 +48,10 @@ sets it, with the agent's ``clock.set`` request (no program started; a ``nat`` V
 network setup still needs one exec). Under TCG a fresh QEMU translates every guest code path
 once, so the caller's first exec after a create costs a few hundred ms more than later ones; a
 warm pool (``pool_size``) pays that in advance: create then renames a ready, warmed VM's
-directory (a few ms). Without a pool, each create still leaves a standby: a QEMU with the
-template loaded and paused (no guest CPU, no RAM copy: the template's RAM is a shared file), made
-while the created guest wakes up, which the next create resumes instead of starting QEMU (~50 ms).
+directory (a few ms). Without a pool, each create after an object's first still leaves a
+standby: a QEMU with the template loaded and paused (no guest CPU, no RAM copy: the template's
+RAM is a shared file), made while the created guest wakes up, which the next create resumes
+instead of starting QEMU (~50 ms).
 A reset does the same with a standby of its VM's baseline. QEMU keeps using the descriptors it
 opened (``auto-read-only=off``), so a started VM's files can be renamed into another directory.
 
