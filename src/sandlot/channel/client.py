@@ -50,6 +50,7 @@ from sandlot.errors import (
     SandboxTimeout,
 )
 from sandlot.models import ExecResult, FileInfo, OutputChunk, ProcessInfo
+from sandlot.taskgroups import lone_error
 
 __all__ = ["AgentChannel", "AgentPty", "connect_stream", "connect_unix"]
 
@@ -540,10 +541,12 @@ class AgentChannel:
         async def collect() -> None:
             result.append(await self._collect(st, on_output))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(feed)
-            await collect()
-            tg.cancel_scope.cancel()
+        # The command's own error (a missing cwd, say) is what the caller handles, not a group.
+        with lone_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(feed)
+                await collect()
+                tg.cancel_scope.cancel()
         return result[0]
 
     async def _collect(self, st: _Stream, on_output: OutputCallback | None) -> ExecResult:
