@@ -241,6 +241,16 @@ def _mounts(cfg: BundleConfig) -> list[dict[str, object]]:
     return mounts
 
 
+def _merge_env(entries: list[str]) -> list[str]:
+    """One entry per name, the last one given winning (an image's or the spec's ``PATH`` over
+    the default): with duplicates, which one a program sees depends on how it reads them."""
+    merged: dict[str, str] = {}
+    for entry in entries:
+        name = entry.partition("=")[0]
+        merged[name] = entry
+    return list(merged.values())
+
+
 def build(cfg: BundleConfig) -> dict[str, object]:
     """The whole ``config.json`` document."""
     caps = list(CAPABILITIES)
@@ -258,7 +268,7 @@ def build(cfg: BundleConfig) -> dict[str, object]:
     else:
         uid_map = [{"containerID": 0, "hostID": cfg.uid_base, "size": cfg.uid_size}]
         gid_map = [{"containerID": 0, "hostID": cfg.uid_base, "size": cfg.uid_size}]
-    env = [f"PATH={_PATH}", "HOME=/root", "LANG=C.UTF-8", "TERM=xterm", *cfg.env]
+    env = _merge_env([f"PATH={_PATH}", "HOME=/root", "LANG=C.UTF-8", "TERM=xterm", *cfg.env])
     linux: dict[str, object] = {
         "uidMappings": uid_map,
         "gidMappings": gid_map,

@@ -11,7 +11,12 @@ sharing the cache) never see half a layer; the loser of the race throws its copy
   sandbox (passwd, group, hosts, hostname, resolv.conf, nsswitch.conf) plus a copy of the few
   host ``/etc`` entries that programs in ``/usr`` need to work (the alternatives links, the
   dynamic loader's cache, the Python and TLS configuration; never a secret), and empty
-  ``/tmp``, ``/home``, ``/root``, ``/workspace``, ``/var`` directories.
+  ``/tmp``, ``/home``, ``/root``, ``/workspace``, ``/var`` directories. It also holds the
+  sandbox's own Python environment, :data:`DEFAULT_VENV`: a virtual environment over the host's
+  ``python3`` (seeing its packages) whose ``bin`` is first on ``PATH``. The host's ``/usr`` is
+  read-only inside and marked ``EXTERNALLY-MANAGED`` (PEP 668), so without it the first
+  ``pip install`` a user types fails; in the venv it installs into the sandbox's writable layer
+  and can never reach the host. ``pip`` there is the host's (Debian package ``python3-pip``).
 - An *image* is a directory, a rootfs tarball (``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.xz``,
   ``.tar.zst``) or an OCI image layout (``oci:PATH:TAG``, unpacked with ``umoci``). It is
   copied or unpacked once into ``<cache>/local/images/<key>``, keyed by its content.
@@ -34,10 +39,30 @@ from pathlib import Path
 
 from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest
 
-__all__ = ["HOSTNAME", "Layer", "RootfsCache", "Storage"]
+__all__ = ["DEFAULT_ROOT_ENV", "DEFAULT_VENV", "HOSTNAME", "Layer", "RootfsCache", "Storage"]
 
 HOSTNAME = "sandbox"
-_SKELETON_VERSION = "1"
+_SKELETON_VERSION = "2"
+
+DEFAULT_VENV = "/opt/sandlot/venv"
+"""The default root's Python environment (the microVM guest image has the same one)."""
+DEFAULT_ROOT_ENV: tuple[str, ...] = (
+    f"PATH={DEFAULT_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    f"VIRTUAL_ENV={DEFAULT_VENV}",
+)
+"""What a default-root sandbox's processes get: the venv active, as ``activate`` would make it."""
+
+# The host's pip run by the venv's interpreter installs into the venv (pip skips the PEP 668
+# check in a virtual environment). ``pip install --upgrade pip`` replaces this with pip's own.
+_PIP_SCRIPT = f"""\
+#!{DEFAULT_VENV}/bin/python3
+import sys
+try:
+    from pip._internal.cli.main import main
+except ModuleNotFoundError:
+    sys.exit("pip is not installed on this host (Debian package python3-pip)")
+sys.exit(main())
+"""
 
 # Host /etc entries that programs under /usr rely on; copied (not bound) so the sandbox can
 # replace them in its own layer. Nothing here holds a secret (no shadow, keys, machine-id).
@@ -118,9 +143,16 @@ class Layer:
     key: str
     """Its content key."""
     env: list[str] = field(default_factory=list)
-    """Environment the image asks for (``NAME=value``), from an OCI image config."""
+    """Environment the image asks for (``NAME=value``), from an OCI image config; for the
+    default root (also as the base of a snapshot), :data:`DEFAULT_ROOT_ENV`."""
     default_root: bool = False
     """True for the default skeleton (the host's ``/usr`` goes on top of it)."""
+
+    def __post_init__(self) -> None:
+        if self.default_root and not self.env:
+            # Here rather than where the skeleton is built, so that a layer chain rebuilt from a
+            # snapshot's manifest (which records paths and keys only) gets it too.
+            object.__setattr__(self, "env", list(DEFAULT_ROOT_ENV))
 
 
 @dataclass(frozen=True)
@@ -179,7 +211,10 @@ class RootfsCache:
         """The default-root skeleton for this host, built on first use."""
         if self._skeleton is None:
             inputs = self._host_etc_inputs()
-            key = _digest(_SKELETON_VERSION, _PASSWD, _GROUP, _HOSTS, _NSSWITCH, *inputs)[:32]
+            python = self._host_python() or ""
+            key = _digest(
+                _SKELETON_VERSION, _PASSWD, _GROUP, _HOSTS, _NSSWITCH, _PIP_SCRIPT, python, *inputs
+            )[:32]
             dest = self.root / "skeletons" / key
             if not dest.is_dir():
                 self._publish(dest, self._build_skeleton)
@@ -207,6 +242,42 @@ class RootfsCache:
                 extra = os.readlink(path) if link else str(st.st_size)  # noqa: PTH115 - see above
                 out.append(f"{path}:{st.st_mode}:{st.st_mtime_ns}:{extra}")
         return out
+
+    def _host_python(self) -> str | None:
+        """The versioned name of the host's ``/usr/bin/python3`` (``python3.11``), if any."""
+        try:
+            name = (self.host_root / "usr" / "bin" / "python3").resolve(strict=True).name
+        except OSError:
+            return None
+        return name if name.startswith("python3.") else None
+
+    def _build_venv(self, dest: Path) -> None:
+        # Written out (PEP 405: a pyvenv.cfg naming the base interpreter's directory, beside the
+        # bin/ holding a link to it) rather than by ``python3 -m venv``, which would start the
+        # host's interpreter for twenty files and link it by its path under host_root.
+        python = self._host_python()
+        if python is None:
+            return
+        venv = dest / DEFAULT_VENV.lstrip("/")
+        (venv / "bin").mkdir(parents=True)
+        (venv / "lib" / python / "site-packages").mkdir(parents=True)
+        (venv / "lib64").symlink_to("lib")
+        (venv / "include").mkdir()
+        (venv / "pyvenv.cfg").write_text(
+            "home = /usr/bin\n"
+            "include-system-site-packages = true\n"
+            f"version = {python.removeprefix('python')}\n"
+        )
+        (venv / "bin" / "python3").symlink_to(f"/usr/bin/{python}")
+        for link in ("python", python):
+            (venv / "bin" / link).symlink_to("python3")
+        for name in ("pip", "pip3", f"pip{python.removeprefix('python')}"):
+            script = venv / "bin" / name
+            script.write_text(_PIP_SCRIPT)
+            script.chmod(0o755)
+        for top in [dest / "opt" / "sandlot", venv, *_walk(venv)]:
+            if top.is_dir() and not top.is_symlink():
+                top.chmod(0o755)
 
     def _build_skeleton(self, dest: Path) -> None:
         host = self.host_root
@@ -241,6 +312,7 @@ class RootfsCache:
         ):
             (dest / name).mkdir(exist_ok=True)
             (dest / name).chmod(mode)
+        self._build_venv(dest)
         if self.storage is None:
             os.chown(dest / "home" / "user", 1000, 1000)
         elif self.storage.full:
