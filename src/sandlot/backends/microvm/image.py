@@ -5,7 +5,8 @@ This module owns building, caching and loading guest images. An image is a direc
 
     vmlinuz         the kernel (Debian's ``linux-image-cloud-amd64``, a bzImage)
     initrd.img      a gzip'd newc cpio: static busybox, the virtio modules, /init, the agent
-    rootfs.qcow2    an ext4 root filesystem (``mmdebstrap --variant=minbase`` + python3)
+    rootfs.qcow2    an ext4 root filesystem (``mmdebstrap --variant=minbase`` + python3, and
+                    a virtual environment at :data:`GUEST_VENV`, active on ``PATH``)
 
 Guest contract (what a user's own image must also honour): the root disk is ``/dev/vda``, the
 initramfs starts the sandlot agent (``sandlot.channel.agent``) serving the virtio-serial port
@@ -53,6 +54,7 @@ __all__ = [
     "GUEST_GATEWAY",
     "GUEST_NAMESERVER",
     "GUEST_PREFIX",
+    "GUEST_VENV",
     "MANIFEST_FORMAT",
     "PROBE_MARKER",
     "READY_MARKER",
@@ -71,12 +73,12 @@ PROBE_MARKER: Final = "SANDLOT-PROBE-OK"
 READY_MARKER: Final = "SANDLOT-INIT-DONE"
 
 # Bump when anything about how an image is assembled changes; it is part of both cache keys.
-BUILD_VERSION: Final = "3"
+BUILD_VERSION: Final = "4"
 
 KERNEL_META_PACKAGE: Final = "linux-image-cloud-amd64"
 BUSYBOX_PACKAGE: Final = "busybox-static"
 SUITE: Final = "bookworm"
-ROOTFS_PACKAGES: Final = ("python3",)
+ROOTFS_PACKAGES: Final = ("python3", "python3-venv")
 ROOTFS_SIZE: Final = "4G"
 
 # The cloud kernel builds virtio as modules; they must be loaded in dependency order
@@ -101,6 +103,11 @@ GUEST_GATEWAY: Final = "10.0.2.2"
 """QEMU user-mode networking's gateway (the host's NAT), used only under ``allow-all``."""
 GUEST_NAMESERVER: Final = "10.0.2.3"
 """QEMU user-mode networking's DNS forwarder, used only under ``allow-all``."""
+GUEST_VENV: Final = "/opt/sandlot/venv"
+"""The guest's Python environment: a venv over the guest's ``python3`` (seeing its packages)
+with its own pip, first on ``PATH``, so ``pip install`` works as it does in a ``local`` sandbox
+(the same path as the local backend's default root; Debian's own Python is PEP 668
+``EXTERNALLY-MANAGED``)."""
 GUEST_BUSYBOX: Final = "/run/sandlot/busybox"
 """A copy of the initramfs' busybox kept in the guest's RAM (``/run`` is a tmpfs) on VMs with a
 NIC: the root disk has no ``ip``, and the host configures routes with it."""
@@ -184,7 +191,8 @@ mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /newroot/dev/shm
 [ -e /newroot/dev/ptmx ] || ln -s pts/ptmx /newroot/dev/ptmx
 hostname sandlot
 echo "@READY@"
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
+export PATH=@VENV@/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
+export VIRTUAL_ENV=@VENV@
 # The agent is PID 1: it reaps orphans, and the OOM killer never picks PID 1.
 exec switch_root /newroot /usr/bin/python3 -I -S /run/sandlot/agent.py --device @DEVICE@ --workdir /workspace
 """
@@ -199,6 +207,7 @@ def _init_script() -> str:
         .replace("@GUEST@", GUEST_ADDRESS)
         .replace("@PREFIX@", str(GUEST_PREFIX))
         .replace("@BUSYBOX@", GUEST_BUSYBOX)
+        .replace("@VENV@", GUEST_VENV)
     )
 
 
@@ -425,6 +434,7 @@ def _build_rootfs(final: Path, progress: Progress) -> None:
                 '--customize-hook=mkdir -p "$1/workspace" "$1/var/log/sandlot"',
                 '--customize-hook=rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*',
                 '--customize-hook=echo sandlot > "$1/etc/hostname"',
+                f'--customize-hook=chroot "$1" python3 -m venv --system-site-packages {GUEST_VENV}',
                 # In root mode /proc, /sys and /dev are mounted into the chroot while hooks run;
                 # copying with --one-file-system leaves their contents out of the disk.
                 f'--customize-hook=cp -a --one-file-system "$1" {tmp}/tree',
