@@ -85,6 +85,7 @@ from sandlot.models import (
     SnapshotInfo,
     new_id,
     parse_model,
+    system_actor,
     utcnow,
 )
 from sandlot.policy.request import Resource
@@ -108,6 +109,12 @@ TOUCH_EVERY = 1.0
 """Activity is written at most this often per sandbox (idle timeouts are far coarser)."""
 LAST_LINES = 20
 """How many lines of output a death certificate keeps."""
+FAILED_KEEP = 3600.0
+"""Seconds a failed creation is kept for inspection (its backend sandbox stopped) before the
+sweep destroys it, unless the sandbox's own time to live ends sooner."""
+_CREATING = frozenset(
+    {SandboxStatus.PROVISIONING, SandboxStatus.SETTING_UP, SandboxStatus.STARTING}
+)
 
 
 def command_argv(command: Command | Sequence[str]) -> tuple[list[str], str | None, dict[str, str]]:
@@ -133,7 +140,11 @@ class ReconcileReport:
     reaped: builtins.list[str] = field(default_factory=list)
     """Backend sandboxes with our mark but no record, destroyed."""
     errors: dict[str, str] = field(default_factory=dict)
-    """Backends or sandboxes that could not be checked, and why."""
+    """Backends or sandboxes that could not be checked (or stopped, or destroyed), and why."""
+    expired: builtins.list[str] = field(default_factory=list)
+    """Running sandboxes past their time to live or idle timeout, stopped."""
+    discarded: builtins.list[str] = field(default_factory=list)
+    """Failed creations whose time for inspection ran out, destroyed."""
 
 
 class _Outcome:
@@ -216,6 +227,12 @@ class Manager:
             for unit tests of the lifecycle only; the SDK always has one).
         journal: The durable intent journal that makes operations with an idempotency key
             replayable and crash-safe (None: idempotency keys are refused).
+        failed_keep: Seconds a failed creation is kept for inspection before the sweep
+            (:meth:`stop_expired`) destroys it.
+        sweep_every: With no server around to sweep (the embedded SDK and CLI), ``create``
+            and ``list`` first sweep this host's sandboxes when the last sweep of this Manager
+            is older than this many seconds (None: never; a server sweeps on its own
+            schedule).
     """
 
     def __init__(
@@ -228,6 +245,8 @@ class Manager:
         create_timeout: float = 3600.0,
         gate: Gate | None = None,
         journal: Journal | None = None,
+        failed_keep: float = FAILED_KEEP,
+        sweep_every: float | None = 30.0,
     ) -> None:
         if default_backend not in backends:
             msg = f"default backend {default_backend!r} is not among {sorted(backends)}"
@@ -239,6 +258,9 @@ class Manager:
         self.create_timeout = create_timeout
         self.gate = gate
         self.journal = journal
+        self.failed_keep = failed_keep
+        self.sweep_every = sweep_every
+        self._swept_at: float | None = None
         # Who drives a transition: this process (an identity that survives PID reuse) and a
         # nonce telling Managers of one process apart.
         self.instance = f"{process_owner()}/{secrets.token_hex(3)}"
@@ -255,9 +277,33 @@ class Manager:
     # -- records ----------------------------------------------------------------------------
 
     async def get(self, sandbox_id: str, *, actor: Actor = LOCAL_ACTOR) -> SandboxInfo:
-        """One sandbox's record (``NotFound`` names the id)."""
+        """One sandbox's record (``NotFound`` names the id).
+
+        A record that says ``running`` is checked against its backend when that is cheap (a
+        host-local backend, and no open channel vouches for it), so a sandbox whose init
+        died is reported ``stopped`` with the cause rather than looking alive.
+        """
+        sb = await self._fetch(sandbox_id, actor)
+        if sb.status is S.RUNNING and sb.backend_ref is not None and self._mine(sb):
+            cached = self._channels.get(sb.id)
+            impl = self.backends.get(sb.backend)
+            unvouched = cached is None or cached[1].closed
+            if unvouched and impl is not None and impl.capabilities().host_local:
+                sb = await self._checked(sb)
+        return sb
+
+    async def _fetch(self, sandbox_id: str, actor: Actor) -> SandboxInfo:
+        """The stored record, as the actor may see it."""
         sb = await self.store.get(sandbox_id, tenant=None if actor.admin else actor.tenant)
         self._remember(sb)
+        return sb
+
+    async def _checked(self, sb: SandboxInfo) -> SandboxInfo:
+        """The record after asking the backend whether a ``running`` sandbox still runs (one
+        that died behind our back is recorded so, with its cause)."""
+        with contextlib.suppress(SandboxError):
+            if await self._reconcile_one(sb) is not None:
+                return await self._fetch(sb.id, system_actor(sb.tenant))
         return sb
 
     def _remember(self, sb: SandboxInfo) -> None:
@@ -333,6 +379,7 @@ class Manager:
         offset: int = 0,
     ) -> builtins.list[SandboxInfo]:
         """Sandboxes, newest first; destroyed ones only when asked."""
+        await self._sweep_if_due()
         statuses = None
         if status is not None:
             statuses = frozenset([status] if isinstance(status, SandboxStatus) else status)
@@ -712,6 +759,7 @@ class Manager:
         name = backend or self.default_backend
         impl = self._backend(name)
         self._check_capabilities(impl, spec)
+        await self._sweep_if_due()
         request: dict[str, JsonValue] = {"backend": name, "spec": spec.model_dump(mode="json")}
         begun = await self._begin_intent(actor, "sandbox.create", request, idempotency_key)
         if isinstance(begun, _Replay):
@@ -722,12 +770,59 @@ class Manager:
         sandbox_id = "sb-" + begun.intent_id.split(":")[-1][:12] if begun else new_id("sb")
         target = Resource.for_spec(sandbox_id, spec, backend=name, tenant=actor.tenant)
         async with self._gated(actor, "sandbox.create", target, intent=begun, spec=spec) as outcome:
-            info = await self._drive(
-                [sandbox_id],
-                self._create(sandbox_id, name, impl, spec, actor, on_setup_output, outcome),
-            )
+            try:
+                info = await self._drive(
+                    [sandbox_id],
+                    self._create(sandbox_id, name, impl, spec, actor, on_setup_output, outcome),
+                )
+            except SandboxError as e:
+                await self._named(e, sandbox_id)
+                raise
+            except BaseException:
+                if begun is None:
+                    # Interrupted (Ctrl-C, a cancelled caller) with no key to replay it by:
+                    # nobody learnt its id, so nothing it made is left behind.
+                    with anyio.CancelScope(shield=True):
+                        await self._discard_interrupted(sandbox_id)
+                raise
             outcome.result = {"sandbox_id": info.id}
             return info
+
+    async def _named(self, error: SandboxError, sandbox_id: str) -> None:
+        """Make a failed creation's error name the sandbox it left (so a caller can look at
+        it or destroy it) and until when it is kept."""
+        if "sandbox_id" in error.details:
+            return
+        try:
+            sb = await self.store.get(sandbox_id)
+        except NotFound:
+            return  # refused before anything was recorded
+        error.details["sandbox_id"] = sb.id
+        if sb.status is S.FAILED and sb.expires_at is not None:
+            error.message += (
+                f" (sandbox {sb.id} is kept, failed, for inspection until "
+                f"{sb.expires_at:%Y-%m-%d %H:%M:%S} UTC)"
+            )
+        elif sb.status is not S.DESTROYED:
+            error.message += f" (sandbox {sb.id} is {sb.status})"
+
+    async def _discard_interrupted(self, sandbox_id: str) -> None:
+        try:
+            sb = await self.store.get(sandbox_id)
+        except NotFound:
+            return
+        if sb.status is S.DESTROYED:
+            return
+        try:
+            async with self._gated(system_actor(sb.tenant), "destroy", sb, reason="interrupted"):
+                await self._destroy(
+                    sb,
+                    "interrupted",
+                    "its creation was interrupted; what it had made was destroyed",
+                )
+        except SandboxError as e:
+            # Then it stays failed, kept for inspection, and the sweep destroys it later.
+            _log.warning("could not destroy interrupted creation %s: %s", sandbox_id, e)
 
     async def _create(
         self,
@@ -1137,7 +1232,7 @@ class Manager:
         last = await self._last_output(sb)
         sb = await self._drain_egress(sb)
         sb = await self._begin(sb, {S.RUNNING}, S.STOPPING)
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         try:
             if sb.backend_ref is not None:
                 await impl.stop(sb.backend_ref)
@@ -1158,24 +1253,37 @@ class Manager:
         """Boot a stopped sandbox and relaunch its ``resume`` command; retry a failed one
         (without running setup again)."""
         sb = await self.get(sandbox_id, actor=actor)
+        self._require_here(sb)
         async with self._gated(actor, "resume", sb):
             sb = await self._settled(sb)
             if sb.status is S.RUNNING:
+                # Only if it really runs: a sandbox whose init died is recorded stopped here
+                # and started below.
+                sb = await self._checked(sb)
+            if sb.status is S.RUNNING:
+                if _past_ttl(sb, utcnow()):
+                    sb = await self._renew_ttl(sb)
                 return sb
             if sb.status not in (S.STOPPED, S.FAILED):
                 msg = f"sandbox {sb.id} is {sb.status} and cannot be resumed"
                 raise InvalidState(msg, id=sb.id)
+            # A TTL that ran out, or a failed creation's time for inspection, starts afresh.
+            expiry = _resumed_expiry(sb, utcnow())
             try:
                 sb = await self._begin(sb, {S.STOPPED, S.FAILED}, S.RESUMING)
             except Conflict:
                 return await self._ready(sb.id, actor, auto_resume=False)
-            return await self._do_resume(sb, actor)
+            return await self._do_resume(sb, actor, expiry)
 
-    async def _do_resume(self, sb: SandboxInfo, actor: Actor) -> SandboxInfo:
-        return await self._drive([sb.id], self._resume_body(sb, actor))
+    async def _do_resume(
+        self, sb: SandboxInfo, actor: Actor, expiry: datetime | None
+    ) -> SandboxInfo:
+        return await self._drive([sb.id], self._resume_body(sb, actor, expiry))
 
-    async def _resume_body(self, sb: SandboxInfo, actor: Actor) -> SandboxInfo:
-        impl = self._backend(sb.backend)
+    async def _resume_body(
+        self, sb: SandboxInfo, actor: Actor, expiry: datetime | None
+    ) -> SandboxInfo:
+        impl = self._backend_of(sb)
         await self._drop_channel(sb.id)
         try:
             if sb.backend_ref is None:
@@ -1201,14 +1309,26 @@ class Manager:
         except SandboxError as e:
             await self._fail(sb, "backend_error", f"resume failed: {e}")
             raise
+        # Running again: the last death is history (its receipts keep it).
         return await self._cas(
             sb,
             status=S.RUNNING,
             transition_owner=None,
             transition_deadline=None,
             error=None,
+            death=None,
+            expires_at=expiry,
             last_active_at=utcnow(),
         )
+
+    async def _renew_ttl(self, sb: SandboxInfo) -> SandboxInfo:
+        for _ in range(50):
+            try:
+                return await self._cas(sb, expires_at=_resumed_expiry(sb, utcnow()))
+            except Conflict:
+                sb = await self.store.get(sb.id)
+        msg = f"sandbox {sb.id} keeps changing; resume gave up"
+        raise Conflict(msg)
 
     async def destroy(
         self,
@@ -1240,6 +1360,8 @@ class Manager:
         while True:
             if sb.status is S.DESTROYED:
                 return sb
+            # Before the record changes: another host's runtime would keep running.
+            self._require_here(sb)
             last = await self._last_output(sb) if sb.status is S.RUNNING else []
             if sb.death is not None and not last:
                 last = sb.death.last_output
@@ -1257,7 +1379,7 @@ class Manager:
                 sb = await self.store.get(sb.id)
         await self._drop_channel(sb.id)
         sb = await self._drain_egress(sb)
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         ref = sb.backend_ref
         if ref is None:
             # Creation may have reached the backend without recording the ref; ask the
@@ -1316,7 +1438,7 @@ class Manager:
     ) -> SnapshotInfo:
         """Save the sandbox's state; new sandboxes can be made from it."""
         sb = await self.get(sandbox_id, actor=actor)
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         if not impl.capabilities().snapshot:
             msg = f"backend {sb.backend!r} cannot snapshot"
             raise NotSupported(msg)
@@ -1381,7 +1503,7 @@ class Manager:
         if snap.backend != sb.backend:
             msg = f"snapshot {snap.id} is from backend {snap.backend}, sandbox is on {sb.backend}"
             raise InvalidRequest(msg)
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         if not impl.capabilities().snapshot:
             msg = f"backend {sb.backend!r} cannot restore snapshots"
             raise NotSupported(msg)
@@ -1758,7 +1880,7 @@ class Manager:
         is raised naming the sources.
         """
         sb = await self.get(sandbox_id, actor=actor)
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         if not impl.capabilities().reset:
             msg = f"backend {sb.backend!r} cannot reset"
             raise NotSupported(msg)
@@ -1813,7 +1935,7 @@ class Manager:
     # -- network --------------------------------------------------------------------------------
 
     def _network_control(self, sb: SandboxInfo) -> NetworkControl:
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         if not isinstance(impl, NetworkControl):
             msg = f"backend {sb.backend!r} has no egress control"
             raise NotSupported(msg)
@@ -1826,7 +1948,7 @@ class Manager:
         raw = policy.model_dump() if isinstance(policy, NetworkAllowlist) else policy
         network = parse_model(SandboxSpec, {"network": raw}).network
         sb = await self.get(sandbox_id, actor=actor)
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         kind = network if isinstance(network, str) else "allowlist"
         caps = impl.capabilities()
         if kind not in caps.network:
@@ -1873,7 +1995,7 @@ class Manager:
     async def _drain_egress(self, sb: SandboxInfo) -> SandboxInfo:
         """Turn egress events logged since the last drain into ``network.egress`` receipts;
         the record as it is afterwards."""
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         if self.gate is None or not isinstance(impl, NetworkControl) or sb.backend_ref is None:
             return sb
         offset = sb.metadata.get("egress_offset", 0)
@@ -1906,7 +2028,7 @@ class Manager:
             return next(p for p in sb.ports if p.port == port)
 
     async def _expose(self, sb: SandboxInfo, port: int) -> SandboxInfo:
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         if not impl.capabilities().ports:
             msg = f"backend {sb.backend!r} cannot expose ports"
             raise NotSupported(msg)
@@ -1943,20 +2065,46 @@ class Manager:
                 await self._drain_egress(sb)
         return len(running)
 
-    async def stop_expired(self, *, now: datetime | None = None) -> builtins.list[str]:
-        """Stop running sandboxes whose TTL ran out (cause ``ttl``) or that sat idle longer
-        than ``idle_timeout`` (cause ``idle``); the ids stopped."""
-        now = now or utcnow()
-        stopped = []
-        running = [
+    async def stop_expired(self, *, now: datetime | None = None) -> ReconcileReport:
+        """The sweep: stop running sandboxes whose TTL ran out (cause ``ttl``) or that sat
+        idle longer than ``idle_timeout`` (cause ``idle``), and destroy failed creations whose
+        time for inspection ran out. The system does this as itself, in each sandbox's tenant
+        (receipts name the ``system`` principal). What could not be done is in ``errors``
+        (and logged), never silently skipped."""
+        report = ReconcileReport()
+        await self._sweep(now or utcnow(), report)
+        return report
+
+    async def _sweep_if_due(self) -> None:
+        """The embedded stand-in for a server's sweep: no daemon runs, so whoever uses sandlot
+        on this host stops what has expired (errors are logged, never raised into the
+        caller's unrelated operation)."""
+        now = time.monotonic()
+        if self.sweep_every is None or (
+            self._swept_at is not None and now - self._swept_at < self.sweep_every
+        ):
+            return
+        self._swept_at = now
+        try:
+            await self.stop_expired()  # what it could not do, it logs
+        except SandboxError as e:
+            _log.error("sweeping expired sandboxes failed: %s", e)
+
+    async def _sweep(self, now: datetime, report: ReconcileReport) -> None:
+        due = [
             sb
-            for sb in await self.store.list(SandboxQuery(statuses=frozenset({S.RUNNING})))
+            for sb in await self.store.list(SandboxQuery(statuses=frozenset({S.RUNNING, S.FAILED})))
             if self._mine(sb)
         ]
-        for sb in running:
+        for sb in due:
+            if sb.status is S.FAILED:
+                if _past_ttl(sb, now):
+                    report.checked += 1
+                    await self._discard(sb, report)
+                continue
             cause = None
-            if sb.expires_at is not None and sb.expires_at <= now:
-                cause, message = "ttl", f"time to live ran out at {sb.expires_at.isoformat()}"
+            if _past_ttl(sb, now):
+                cause, message = "ttl", _ttl_message(sb)
             elif (
                 sb.spec.idle_timeout is not None
                 and sb.last_active_at + timedelta(seconds=sb.spec.idle_timeout) <= now
@@ -1965,20 +2113,42 @@ class Manager:
                 cause, message = "idle", f"idle for more than {sb.spec.idle_timeout:g}s"
             if cause is None:
                 continue
+            report.checked += 1
             try:
-                async with self._gated(SYSTEM, "stop", sb, reason=cause):
-                    await self._stop(sb, cause, message)
-                stopped.append(sb.id)
+                await self._stop_system(sb, cause, message)
             except (Conflict, InvalidState):
                 continue  # changed meanwhile: the next sweep sees its new state
             except SandboxError as e:
-                # One sandbox the backend cannot stop must not keep the others running.
-                _log.warning("could not stop expired sandbox %s: %s", sb.id, e)
-        return stopped
+                # One sandbox that cannot be stopped must not keep the others running.
+                _log.error("could not stop sandbox %s past its %s: %s", sb.id, cause, e)
+                report.errors[sb.id] = f"could not stop it past its {cause}: {e}"
+                continue
+            report.expired.append(sb.id)
+
+    async def _stop_system(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
+        """Stop a sandbox as sandlot's own duty (TTL, idle), decided and receipted as such."""
+        async with self._gated(system_actor(sb.tenant), "stop", sb, reason=cause):
+            return await self._stop(sb, cause, message)
+
+    async def _discard(self, sb: SandboxInfo, report: ReconcileReport) -> None:
+        """Destroy a failed creation whose time for inspection ran out (the record stays)."""
+        first = f"{sb.death.cause}: {sb.death.message}" if sb.death else (sb.error or "failed")
+        message = f"failed ({first}); destroyed when its time for inspection ran out"
+        try:
+            async with self._gated(system_actor(sb.tenant), "destroy", sb, reason="discard"):
+                await self._destroy(sb, "discarded", message)
+        except (Conflict, InvalidState):
+            return
+        except SandboxError as e:
+            _log.error("could not destroy failed sandbox %s: %s", sb.id, e)
+            report.errors[sb.id] = f"could not destroy it after its failure: {e}"
+            return
+        report.discarded.append(sb.id)
 
     async def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
-        """Make records agree with what backends report, settle abandoned transitions, and
-        (when ``ids`` is None) reap backend sandboxes that carry our mark but have no record."""
+        """Make records agree with what backends report and settle abandoned transitions;
+        when ``ids`` is None also reap backend sandboxes that carry our mark but have no
+        record, and sweep (:meth:`stop_expired`)."""
         report = ReconcileReport()
         if ids is None:
             # Another host's sandboxes are its own Manager's to check.
@@ -1988,6 +2158,7 @@ class Manager:
         for sb in records:
             report.checked += 1
             try:
+                self._require_here(sb)
                 change = await self._reconcile_one(sb)
             except SandboxError as e:
                 report.errors[sb.id] = str(e)
@@ -1997,6 +2168,9 @@ class Manager:
         if ids is None:
             for name in self.backends:
                 await self._reap(name, self._backend(name), report)
+            checked = report.checked
+            await self._sweep(utcnow(), report)
+            report.checked = checked
         return report
 
     async def _reconcile_one(self, sb: SandboxInfo) -> str | None:
@@ -2008,12 +2182,15 @@ class Manager:
             return f"{before} (abandoned) -> {settled.status}"
         if before not in (S.RUNNING, S.STOPPED) or sb.backend_ref is None:
             return None
-        state = await self._backend(sb.backend).inspect(sb.backend_ref)
+        state = await self._backend_of(sb).inspect(sb.backend_ref)
         if state.state == "missing":
             await self._fail(sb, "vanished", "the backend no longer has this sandbox")
             return f"{before} -> failed (vanished)"
         if before is S.RUNNING and state.state == "stopped":
+            # An init that exited without being asked to is a crash (an OOM kill says oom).
             cause = state.reason or "exited"
+            if cause == "exited":
+                cause = "crashed"
             await self._drop_channel(sb.id)
             await self._cas(
                 sb,
@@ -2088,7 +2265,7 @@ class Manager:
 
     async def _settle(self, sb: SandboxInfo) -> SandboxInfo:
         """Finish or fail a transition whose driver died."""
-        impl = self._backend(sb.backend)
+        impl = self._backend_of(sb)
         owner = f"abandoned by {sb.transition_owner}"
         if sb.status is S.DESTROYING:
             return await self._destroy(sb, "destroyed", f"destroy finished by reconcile ({owner})")
@@ -2171,11 +2348,20 @@ class Manager:
         message: str,
         last_output: builtins.list[str] | None = None,
     ) -> SandboxInfo:
+        """Record a failure. A failed *creation* is kept for inspection with its processes
+        stopped, for :attr:`failed_keep` seconds (or until its own TTL, if sooner): the sweep
+        destroys it then, so a setup that fails never leaves a sandbox running for good."""
         await self._drop_channel(sb.id)
         for _ in range(20):
             current = await self.store.get(sb.id)
             if current.status in (S.DESTROYING, S.DESTROYED):
                 return current
+            patch: dict[str, object] = {}
+            if current.status in _CREATING:
+                keep = utcnow() + timedelta(seconds=self.failed_keep)
+                if current.expires_at is None or current.expires_at > keep:
+                    patch["expires_at"] = keep
+                await self._halt_quietly(current)
             try:
                 return await self._cas(
                     current,
@@ -2186,10 +2372,19 @@ class Manager:
                     death=DeathCertificate(
                         cause=cause, message=message, last_output=last_output or []
                     ),
+                    **patch,
                 )
             except Conflict:
                 continue
         return await self.store.get(sb.id)
+
+    async def _halt_quietly(self, sb: SandboxInfo) -> None:
+        """Stop a failed creation's backend sandbox, best effort and bounded (its files stay;
+        ``resume`` starts it again)."""
+        if sb.backend_ref is None or not self._mine(sb):
+            return
+        with anyio.move_on_after(30), contextlib.suppress(SandboxError, OSError):
+            await self._backend(sb.backend).stop(sb.backend_ref)
 
     async def _settled(self, sb: SandboxInfo) -> SandboxInfo:
         """Wait until no transition is in flight (settling an abandoned one)."""
@@ -2219,11 +2414,17 @@ class Manager:
         sb = current if current is not None else await self.get(sandbox_id, actor=actor)
         for _ in range(100):
             sb = await self._settled(sb)
+            if sb.status in (S.RUNNING, S.STOPPED) and _past_ttl(sb, utcnow()):
+                await self._refuse_expired(sb)
             if sb.status is S.RUNNING:
-                return sb
+                if await self._answers(sb):
+                    return sb
+                sb = await self._fetch(sb.id, actor)
+                continue
             if sb.status is S.STOPPED:
                 if not auto_resume:
-                    msg = f"sandbox {sb.id} is stopped (auto_resume is off)"
+                    why = f" ({sb.death.cause}: {sb.death.message})" if sb.death else ""
+                    msg = f"sandbox {sb.id} is stopped{why}; auto_resume is off"
                     raise InvalidState(msg, id=sb.id)
                 # An implied resume is decided like an explicit one: a policy that forbids
                 # resuming is not bypassed by running a command.
@@ -2234,28 +2435,82 @@ class Manager:
                         outcome.detail["resumed_by_another"] = True
                         sb = await self.store.get(sb.id)
                         continue
-                    return await self._do_resume(sb, actor)
+                    return await self._do_resume(sb, actor, sb.expires_at)
             reason = f": {sb.death.cause} ({sb.death.message})" if sb.death else ""
             msg = f"sandbox {sb.id} is {sb.status}{reason}"
             raise InvalidState(msg, id=sb.id, status=sb.status.value)
         msg = f"sandbox {sandbox_id} did not settle"
         raise SandboxTimeout(msg)
 
+    async def _answers(self, sb: SandboxInfo) -> bool:
+        """Whether a ``running`` sandbox really answers: an open channel says so; otherwise
+        one is opened, and if the backend says the sandbox is gone or stopped, the record is
+        brought up to date (False: read it again)."""
+        cached = self._channels.get(sb.id)
+        if cached is not None and cached[0] == sb.backend_ref and not cached[1].closed:
+            return True
+        try:
+            await self._channel(sb)
+        except (BackendError, InvalidState) as e:
+            if not self._mine(sb):
+                raise
+            await self._drop_channel(sb.id)
+            try:
+                change = await self._reconcile_one(await self.store.get(sb.id))
+            except SandboxError:
+                raise e from None
+            if change is None:
+                raise
+            return False
+        return True
+
+    async def _refuse_expired(self, sb: SandboxInfo) -> None:
+        """An expired sandbox does no more work: stop it if it still runs (as the system, as
+        the sweep would) and refuse, saying how to bring it back."""
+        sb = await self.store.get(sb.id)
+        if not _past_ttl(sb, utcnow()):
+            return  # extended meanwhile (keep_alive in another process)
+        assert sb.expires_at is not None
+        stopped = ""
+        if sb.status is S.RUNNING and self._mine(sb):
+            try:
+                await self._stop_system(sb, "ttl", _ttl_message(sb))
+                stopped = " and was stopped"
+            except SandboxError as e:
+                _log.error("could not stop expired sandbox %s: %s", sb.id, e)
+        msg = (
+            f"sandbox {sb.id} expired at {sb.expires_at:%Y-%m-%d %H:%M:%S} UTC (its time to live "
+            f"ran out){stopped}; keep_alive extends it, resume starts it with a new one"
+        )
+        raise InvalidState(msg, id=sb.id, status="expired")
+
     def _mine(self, sb: SandboxInfo) -> bool:
         """Whether this Manager can reach the sandbox (it is not on another host)."""
         return sb.host is None or sb.host == self.host
 
-    async def _channel(self, sb: SandboxInfo) -> Channel:
+    def _require_here(self, sb: SandboxInfo) -> None:
+        """Refuse to act on a sandbox of another host: its runtime is there, not here."""
         if not self._mine(sb):
-            msg = f"sandbox {sb.id} lives on host {sb.host}: reach it through that host's server"
+            msg = (
+                f"sandbox {sb.id} lives on host {sb.host} (this is {self.host}): reach it "
+                "through that host's server"
+            )
             raise InvalidState(msg, id=sb.id, host=sb.host)
+
+    def _backend_of(self, sb: SandboxInfo) -> Backend:
+        """The backend holding an existing sandbox, which must be on this host."""
+        self._require_here(sb)
+        return self._backend(sb.backend)
+
+    async def _channel(self, sb: SandboxInfo) -> Channel:
+        self._require_here(sb)
         cached = self._channels.get(sb.id)
         if cached is not None and cached[0] == sb.backend_ref and not cached[1].closed:
             return cached[1]
         if sb.backend_ref is None:
             msg = f"sandbox {sb.id} has no backend sandbox yet"
             raise InvalidState(msg, id=sb.id)
-        channel = await self._backend(sb.backend).channel(sb.backend_ref)
+        channel = await self._backend_of(sb).channel(sb.backend_ref)
         self._channels[sb.id] = (sb.backend_ref, channel)
         return channel
 
@@ -2303,6 +2558,23 @@ class Manager:
             with contextlib.suppress(SandboxError):
                 await impl.aclose()
         await self.store.aclose()
+
+
+def _past_ttl(sb: SandboxInfo, now: datetime) -> bool:
+    """Whether the sandbox's time to live has run out."""
+    return sb.expires_at is not None and sb.expires_at <= now
+
+
+def _resumed_expiry(sb: SandboxInfo, now: datetime) -> datetime | None:
+    """A resumed sandbox's TTL: what is left of it, else a whole new one (or none)."""
+    if sb.status is not S.FAILED and sb.expires_at is not None and sb.expires_at > now:
+        return sb.expires_at
+    return now + timedelta(seconds=sb.spec.timeout) if sb.spec.timeout else None
+
+
+def _ttl_message(sb: SandboxInfo) -> str:
+    assert sb.expires_at is not None
+    return f"time to live ran out at {sb.expires_at.isoformat()}"
 
 
 def _require_live(sb: SandboxInfo, why: str) -> None:

@@ -28,6 +28,7 @@ from sandlot.errors import InvalidRequest
 
 __all__ = [
     "LOCAL_ACTOR",
+    "SYSTEM_PRINCIPAL",
     "Actor",
     "Command",
     "CommandSpec",
@@ -48,6 +49,7 @@ __all__ = [
     "SnapshotInfo",
     "new_id",
     "parse_model",
+    "system_actor",
     "utcnow",
 ]
 
@@ -107,6 +109,16 @@ class Actor(_Model):
 
 LOCAL_ACTOR = Actor()
 """The actor of the embedded SDK and CLI: the local user, default tenant."""
+
+SYSTEM_PRINCIPAL = "system"
+"""The principal of sandlot's own duties (TTL and idle stops, discarding failed sandboxes,
+reaping orphans); no API key may act as it."""
+
+
+def system_actor(tenant: str) -> Actor:
+    """Who sandlot's own duties act as on a sandbox of ``tenant``: the system principal in the
+    sandbox's own tenant, so a policy's tenant boundary holds and receipts name the system."""
+    return Actor(tenant=tenant, principal=SYSTEM_PRINCIPAL, admin=True)
 
 
 class CommandSpec(_Model):

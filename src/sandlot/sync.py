@@ -392,8 +392,9 @@ class SyncClientBase(Generic[AsyncT]):
         """Sync records with the backends and reap orphans (on a server: admin keys only)."""
         return self._loop.run(self._async.reconcile(ids))
 
-    def stop_expired(self) -> builtins.list[str]:
-        """Stop sandboxes past their TTL or idle timeout (on a server: admin keys only)."""
+    def stop_expired(self) -> ReconcileReport:
+        """Stop sandboxes past their TTL or idle timeout and destroy failed creations kept
+        past their time for inspection (on a server: admin keys only)."""
         return self._loop.run(self._async.stop_expired())
 
 

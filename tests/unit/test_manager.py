@@ -421,9 +421,9 @@ async def test_ttl_and_idle_expiry(aclient: AsyncSandlot) -> None:
     idle = await aclient.create(idle_timeout=30)
     fresh = await aclient.create(timeout=3600, idle_timeout=3600)
     manager = aclient.manager
-    assert await manager.stop_expired() == []
+    assert (await manager.stop_expired()).expired == []
     later = utcnow() + timedelta(seconds=61)
-    assert sorted(await manager.stop_expired(now=later)) == sorted([ttl.id, idle.id])
+    assert sorted((await manager.stop_expired(now=later)).expired) == sorted([ttl.id, idle.id])
     for handle, cause in ((ttl, "ttl"), (idle, "idle")):
         info = await handle.refresh()
         assert info.status is S.STOPPED
@@ -441,7 +441,8 @@ async def test_activity_defers_idle_expiry(
     await sb.exec("true")
     info = await sb.refresh()
     assert info.last_active_at > info.created_at
-    assert await aclient.manager.stop_expired(now=info.last_active_at + timedelta(seconds=29)) == []
+    report = await aclient.manager.stop_expired(now=info.last_active_at + timedelta(seconds=29))
+    assert report.expired == []
 
 
 async def test_keep_alive_extends_never_shortens(aclient: AsyncSandlot) -> None:

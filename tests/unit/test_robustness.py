@@ -97,7 +97,7 @@ async def test_a_busy_sandbox_is_not_reaped_for_idleness(
     async with anyio.create_task_group() as tg:
         tg.start_soon(sb.exec, "sleep 2")
         await anyio.sleep(1.5)
-        assert await aclient.stop_expired() == []
+        assert (await aclient.stop_expired()).expired == []
     assert (await sb.refresh()).status is S.RUNNING
 
 
@@ -147,7 +147,7 @@ async def test_two_hosts_on_one_database_keep_to_their_own_sandboxes(tmp_path: P
         sb = await a.create(timeout=1)
         assert sb.info.host == a.manager.host
         assert (await b.reconcile()).updated == {}
-        assert await b.stop_expired() == []
+        assert (await b.stop_expired()).expired == []
         with pytest.raises(InvalidState, match="lives on host"):
             await (await b.get(sb.id)).exec("echo hi")
         assert (await sb.refresh()).status is S.RUNNING

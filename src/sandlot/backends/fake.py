@@ -383,9 +383,12 @@ class FakeBackend:
         return {sb.sandbox_id: ref for ref, sb in self.sandboxes.items()}
 
     async def channel(self, ref: str) -> FakeChannel:
-        """A channel to a running fake sandbox."""
+        """A channel to a running fake sandbox (refused, as real backends do, when it is not
+        running)."""
         self._record(ref, "channel")
-        self._get(ref)
+        if self._get(ref).state != "running":
+            msg = f"fake sandbox {ref} is not running"
+            raise InvalidState(msg)
         return FakeChannel(self, ref)
 
     async def snapshot(self, ref: str, snapshot_id: str) -> SnapshotRef:

@@ -838,37 +838,49 @@ def fork(
 def reconcile(
     ids: Annotated[
         list[str] | None,
-        typer.Argument(help="Only these sandboxes (default: all, and reap orphans)."),
+        typer.Argument(help="Only these sandboxes (default: all, reap orphans and sweep)."),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Sync records with backends, settle abandoned transitions, stop expired ones, reap orphans."""
+    """Sync records with backends, settle abandoned transitions, stop expired sandboxes,
+    destroy failed ones kept past their time, reap orphans; exit 1 if anything could not be
+    done."""
 
     async def body(client: AsyncSandlot) -> dict[str, object]:
         report = await client.reconcile(ids or None)
-        expired = await client.stop_expired() if not ids else []
         return {
             "checked": report.checked,
             "updated": report.updated,
             "reaped": report.reaped,
+            "expired": report.expired,
+            "discarded": report.discarded,
             "errors": report.errors,
-            "expired": expired,
         }
 
     report = _run(as_json, body)
+    failed = bool(report["errors"])
     if as_json:
         _print_json(report)
-        return
+        raise typer.Exit(1 if failed else 0)
     out.print(f"checked {report['checked']} sandboxes")
-    for key in ("updated", "errors"):
-        value = report[key]
-        assert isinstance(value, dict)
-        for sid, what in value.items():
-            out.print(f"  {key[:-1] if key == 'errors' else 'updated'} {sid}: {what}")
-    for sid in report["reaped"] or []:  # type: ignore[attr-defined]
-        out.print(f"  reaped orphan {sid}")
-    for sid in report["expired"] or []:  # type: ignore[attr-defined]
-        out.print(f"  stopped expired {sid}")
+    updated = report["updated"]
+    assert isinstance(updated, dict)
+    for sid, what in updated.items():
+        out.print(f"  updated {sid}: {what}")
+    for key, verb in (
+        ("reaped", "reaped orphan"),
+        ("expired", "stopped expired"),
+        ("discarded", "destroyed failed"),
+    ):
+        ids_done = report[key]
+        assert isinstance(ids_done, list)
+        for sid in ids_done:
+            out.print(f"  {verb} {sid}")
+    errors = report["errors"]
+    assert isinstance(errors, dict)
+    for sid, what in errors.items():
+        err.print(f"[red]error:[/red] {sid}: {what}", markup=True)
+    raise typer.Exit(1 if failed else 0)
 
 
 @app.command()

@@ -1055,12 +1055,21 @@ class AsyncClient:
             updated=dict(body["updated"]),
             reaped=list(body["reaped"]),
             errors=dict(body["errors"]),
+            expired=list(body.get("expired", [])),
+            discarded=list(body.get("discarded", [])),
         )
 
-    async def stop_expired(self) -> builtins.list[str]:
-        """Stop sandboxes past their TTL or idle timeout; their ids (admin keys only)."""
+    async def stop_expired(self) -> ReconcileReport:
+        """Stop sandboxes past their TTL or idle timeout and destroy failed creations kept
+        past their time for inspection (admin keys only); what it did and what it could not."""
         response = await self._request("POST", "/v1/stop-expired")
-        return [str(i) for i in response.json()["stopped"]]
+        body = response.json()
+        return ReconcileReport(
+            checked=int(body.get("checked", 0)),
+            expired=[str(i) for i in body["stopped"]],
+            discarded=[str(i) for i in body.get("discarded", [])],
+            errors=dict(body.get("errors", {})),
+        )
 
 
 @final

@@ -478,6 +478,8 @@ def create_app(
     output = output_log or MemoryExecOutputLog(
         retention=cfg.output_retention, max_bytes=cfg.output_max_bytes
     )
+    # The server sweeps on its own schedule (``sweep_interval``), never inline in a request.
+    manager.sweep_every = None
     plane = _Plane(manager, keys, cfg, output)
     mcp_endpoint = None
     if cfg.mcp:
@@ -1336,6 +1338,8 @@ def _routes(app: FastAPI) -> None:
                 updated=report.updated,
                 reaped=report.reaped,
                 errors=report.errors,
+                expired=report.expired,
+                discarded=report.discarded,
             )
         )
 
@@ -1343,8 +1347,15 @@ def _routes(app: FastAPI) -> None:
     async def stop_expired(actor: ActorDep, plane: PlaneDep) -> Response:
         _require_admin(actor)
         with anyio.CancelScope(shield=True):
-            stopped = await plane.manager.stop_expired()
-        return _json(StopExpiredResponse(stopped=stopped))
+            report = await plane.manager.stop_expired()
+        return _json(
+            StopExpiredResponse(
+                checked=report.checked,
+                stopped=report.expired,
+                discarded=report.discarded,
+                errors=report.errors,
+            )
+        )
 
 
 async def _sweep(manager: Manager, interval: float) -> None:
@@ -1353,13 +1364,15 @@ async def _sweep(manager: Manager, interval: float) -> None:
         await anyio.sleep(interval)
         try:
             with anyio.CancelScope(shield=True):
-                stopped = await manager.stop_expired()
+                report = await manager.stop_expired()
                 await manager.record_egress()
         except SandboxError as e:
-            log.warning("sweeping expired sandboxes failed: %s", e)
+            log.error("sweeping expired sandboxes failed: %s", e)
             continue
-        if stopped:
-            log.info("stopped expired sandboxes: %s", ", ".join(stopped))
+        if report.expired:
+            log.info("stopped expired sandboxes: %s", ", ".join(report.expired))
+        if report.discarded:
+            log.info("destroyed failed sandboxes: %s", ", ".join(report.discarded))
 
 
 async def _shielded(call: Awaitable[T]) -> T:

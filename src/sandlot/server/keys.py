@@ -28,7 +28,7 @@ from sqlalchemy import insert, inspect, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from sandlot.errors import BackendUnavailable, Conflict, InvalidRequest, NotFound
-from sandlot.models import Actor, new_id
+from sandlot.models import SYSTEM_PRINCIPAL, Actor, new_id
 from sandlot.server.schema import api_keys
 from sandlot.store.migrate import upgrade
 from sandlot.store.sql import open_engine
@@ -171,6 +171,10 @@ class ApiKeyStore:
         _check_name(tenant, "tenant")
         key_id = new_id("ak")
         principal = _check_name(principal, "principal") if principal else key_id
+        if principal == SYSTEM_PRINCIPAL:
+            # Receipts of sandlot's own duties name this principal; nobody may sign as it.
+            msg = f"principal {SYSTEM_PRINCIPAL!r} is reserved for sandlot's own duties"
+            raise InvalidRequest(msg)
         if description is not None and len(description) > 512:
             msg = "description must be at most 512 characters"
             raise InvalidRequest(msg)

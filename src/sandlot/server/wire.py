@@ -333,14 +333,24 @@ class ReconcileResponse(_Body):
     reaped: list[str] = Field(default_factory=list)
     """Orphans destroyed."""
     errors: dict[str, str] = Field(default_factory=dict)
-    """What could not be checked, and why."""
+    """What could not be checked, stopped or destroyed, and why."""
+    expired: list[str] = Field(default_factory=list)
+    """Sandboxes past their TTL or idle timeout, stopped (a full reconcile sweeps too)."""
+    discarded: list[str] = Field(default_factory=list)
+    """Failed creations whose time for inspection ran out, destroyed."""
 
 
 class StopExpiredResponse(_Body):
-    """``POST /v1/stop-expired`` (admin keys only)."""
+    """``POST /v1/stop-expired`` (admin keys only): the sweep."""
 
+    checked: int = 0
+    """Sandboxes that were due."""
     stopped: list[str] = Field(default_factory=list)
-    """Ids of the sandboxes stopped."""
+    """Ids of the sandboxes stopped past their TTL or idle timeout."""
+    discarded: list[str] = Field(default_factory=list)
+    """Failed creations whose time for inspection ran out, destroyed."""
+    errors: dict[str, str] = Field(default_factory=dict)
+    """Sandboxes that could not be stopped or destroyed, and why."""
 
 
 class ExplainRequest(_Body):
