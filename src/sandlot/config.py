@@ -1,8 +1,9 @@
 """Where sandlot keeps its state, and the settings read from the environment.
 
 ``$SANDLOT_HOME`` (default ``~/.local/share/sandlot``) holds the SQLite database, the
-receipt-signing keys, and each backend's state under ``backends/<name>/``. This module imports
-nothing from sandlot.
+receipt-signing keys, and each backend's state under ``backends/<name>/``. A directory that
+cannot be made or written is an :class:`~sandlot.errors.InvalidRequest` naming the setting to
+change. This module imports nothing from sandlot but its errors.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import secrets
 import socket
 from pathlib import Path
 
+from sandlot.errors import InvalidRequest
+
 __all__ = ["backend_dir", "cache_dir", "default_database_url", "home", "receipt_log_id"]
 
 
@@ -19,17 +22,29 @@ def home(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The state directory: ``explicit``, else ``$SANDLOT_HOME``, else ``~/.local/share/sandlot``.
 
     Created (mode 0700) if missing.
+
+    Raises:
+        InvalidRequest: The directory cannot be made (a file is in the way, no permission).
     """
     if explicit is not None:
-        path = Path(explicit)
+        path, setting = Path(explicit), "--home or SANDLOT_HOME"
     elif os.environ.get("SANDLOT_HOME"):
-        path = Path(os.environ["SANDLOT_HOME"])
+        path, setting = Path(os.environ["SANDLOT_HOME"]), "SANDLOT_HOME"
     else:
         data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-        path = Path(data) / "sandlot"
+        path, setting = Path(data) / "sandlot", "SANDLOT_HOME"
     path = path.expanduser().absolute()
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _make_dir(path, f"the state directory {path}", f"set {setting} to a writable directory", 0o700)
     return path
+
+
+def _make_dir(path: Path, what: str, fix: str, mode: int = 0o777) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=mode)
+    except OSError as e:
+        why = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or str(e)
+        msg = f"cannot use {what} ({why}); {fix}"
+        raise InvalidRequest(msg) from e
 
 
 def backend_dir(home_dir: Path, backend: str) -> Path:
@@ -49,7 +64,7 @@ def cache_dir() -> Path:
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sandlot"
     )
     path = Path(raw).expanduser().absolute()
-    path.mkdir(parents=True, exist_ok=True)
+    _make_dir(path, f"the cache directory {path}", "set SANDLOT_CACHE to a writable directory")
     return path
 
 

@@ -60,12 +60,18 @@ __all__ = ["AsyncSandbox", "AsyncSandlot", "database_url"]
 
 
 def database_url(database: str | None, home_dir: Path) -> str:
-    """A SQLAlchemy URL from a URL, a file path, or nothing (the home's SQLite file)."""
-    if database is None:
-        return default_database_url(home_dir)
-    if "://" in database:
-        return database
-    return f"sqlite:///{Path(database).expanduser().absolute()}"
+    """A SQLAlchemy URL from a URL, a SQLite file path, or nothing (``$SANDLOT_DATABASE_URL``,
+    else the home's SQLite file).
+
+    A bare path must name an existing file or end in ``.db``, ``.sqlite`` or ``.sqlite3`` (so
+    a mistyped URL is refused rather than becoming a new file); ``sqlite:///PATH`` takes any.
+
+    Raises:
+        InvalidRequest: ``database`` is none of those, or names an unsupported database.
+    """
+    from sandlot.store.connect import parse_database
+
+    return parse_database(default_database_url(home_dir) if database is None else database)
 
 
 def policy_config(

@@ -1,7 +1,9 @@
 """``sandlot doctor``: what works on this host, and for what doesn't, the reason and the fix.
 
 Each backend package may offer ``doctor() -> list[DoctorCheck]``; the doctor adds the checks
-every installation needs (the state directory, the database). Nothing here changes the host.
+every installation needs (the state directory, the database). A database that cannot be
+reached, or a backend setting a backend refuses, is a failed check naming the fix, never a
+crash. Nothing here changes the host.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
-from sqlalchemy import text
 
 from sandlot.backends.base import DoctorCheck
 from sandlot.backends.registry import BACKEND_NAMES, default_backend_name
 from sandlot.config import home as resolve_home
 from sandlot.errors import SandboxError
-from sandlot.store.sql import open_engine
+from sandlot.store.connect import check_database, redact_url
 
 __all__ = ["collect", "run_doctor"]
 
@@ -38,7 +40,7 @@ def _general(home_arg: Path | None, database: str | None) -> list[DoctorCheck]:
         home = resolve_home(home_arg)
         writable = os.access(home, os.W_OK)
         checks.append(DoctorCheck("state directory", writable, str(home), f"make {home} writable"))
-    except OSError as e:
+    except (SandboxError, OSError) as e:
         checks.append(
             DoctorCheck(
                 "state directory", False, str(e), "set SANDLOT_HOME to a writable directory"
@@ -47,20 +49,15 @@ def _general(home_arg: Path | None, database: str | None) -> list[DoctorCheck]:
         return checks
     from sandlot.sdk import database_url
 
-    url = database_url(database, home)
+    fix = "check --database / SANDLOT_DATABASE_URL"
     try:
-        engine = open_engine(url)
-        with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-        engine.dispose()
-        checks.append(DoctorCheck("database", True, _redact(url)))
-        checks.append(_reconcile_check(url))
-    except (SandboxError, Exception) as e:
-        checks.append(
-            DoctorCheck(
-                "database", False, f"{_redact(url)}: {e}", "check --database / SANDLOT_DATABASE_URL"
-            )
-        )
+        url = database_url(database, home)
+        check_database(url)
+    except SandboxError as e:
+        checks.append(DoctorCheck("database", False, e.message, fix))
+        return checks
+    checks.append(DoctorCheck("database", True, redact_url(url)))
+    checks.append(_reconcile_check(url))
     return checks
 
 
@@ -92,13 +89,6 @@ def _reconcile_check(url: str) -> DoctorCheck:
     )
 
 
-def _redact(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest
-
-
 def _backend_checks(name: str) -> list[DoctorCheck]:
     if name == "fake":
         return [DoctorCheck("fake", True, "in memory (for tests); no isolation")]
@@ -113,6 +103,10 @@ def _backend_checks(name: str) -> list[DoctorCheck]:
         return [
             DoctorCheck(f"{name}: {c.name}", c.ok, c.detail, c.fix, c.required) for c in probe()
         ]
+    except SandboxError as e:
+        # A setting the backend refuses (SANDLOT_MICROVM_ACCEL=kvm where KVM cannot run a
+        # guest): what every create would fail with, so it is a failed check, not a crash.
+        return [DoctorCheck(name, False, e.message, "")]
     except Exception as e:
         return [DoctorCheck(name, False, f"self-check crashed: {e!r}", "report a bug")]
 
@@ -184,8 +178,9 @@ def run_doctor(home: Path | None, database: str | None, *, as_json: bool, consol
                 if c.ok
                 else ("[red]no[/red]" if c.required else "[yellow]--[/yellow]")
             )
-            table.add_row(f"  {mark}", c.name, c.detail)
+            # Details quote URLs and commands (pip install 'sandlot[postgres]'): not markup.
+            table.add_row(f"  {mark}", escape(c.name), escape(c.detail))
             if not c.ok and c.fix:
-                table.add_row("", "", f"[yellow]fix:[/yellow] {c.fix}")
+                table.add_row("", "", f"[yellow]fix:[/yellow] {escape(c.fix)}")
         console.print(table)
     return 0 if ok else 1

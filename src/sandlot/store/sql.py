@@ -13,32 +13,22 @@ import json
 import threading
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio.to_thread
-from sqlalchemy import (
-    Engine,
-    and_,
-    case,
-    create_engine,
-    delete,
-    event,
-    insert,
-    select,
-    type_coerce,
-    update,
-)
+from sqlalchemy import and_, case, delete, insert, select, type_coerce, update
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError
 
-from sandlot.errors import BackendUnavailable, Conflict, InvalidRequest, NotFound
+from sandlot.errors import Conflict, NotFound
 from sandlot.models import SandboxInfo, SandboxStatus, SnapshotInfo
 from sandlot.store.base import SandboxQuery
+from sandlot.store.connect import database_errors, open_engine
 from sandlot.store.migrate import upgrade
 from sandlot.store.schema import sandboxes, snapshots
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection, RowMapping
+    from sqlalchemy.engine import RowMapping
     from sqlalchemy.sql.elements import ColumnElement
 
 __all__ = ["SqlStore", "open_engine"]
@@ -48,44 +38,6 @@ T = TypeVar("T")
 
 def _ts(dt: datetime | None) -> float | None:
     return None if dt is None else dt.timestamp()
-
-
-def open_engine(url: str) -> Engine:
-    """An engine for ``url`` with the settings sandlot relies on.
-
-    SQLite gets WAL (readers never block the writer), ``synchronous=NORMAL`` (durable across
-    process crashes, which is the failure we guard against), a long busy timeout so that
-    concurrent writers queue instead of failing, and ``BEGIN IMMEDIATE`` so a read-then-write
-    transaction takes the write lock up front rather than failing at commit (only for
-    connections from the writer, see :class:`SqlStore`; readers stay deferred and concurrent).
-    """
-    if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-
-        @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:  # noqa: ANN401 - DB-API objects are untyped
-            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _begin(conn: Connection) -> None:
-            write = conn.get_execution_options().get("sandlot_write", False)
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-
-        return engine
-    if url.startswith(("postgresql", "postgres")):
-        if url.startswith("postgres://"):
-            url = "postgresql://" + url.removeprefix("postgres://")
-        if url.startswith("postgresql://"):
-            url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-        return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
-    msg = f"unsupported database URL {url!r}: use sqlite:///PATH or postgresql://…"
-    raise InvalidRequest(msg)
 
 
 def _row_values(sb: SandboxInfo) -> dict[str, object]:
@@ -142,11 +94,8 @@ class SqlStore:
     async def _run(self, fn: Callable[[], T]) -> T:
         def call() -> T:
             self._ensure_schema()
-            try:
+            with database_errors(self.engine):
                 return fn()
-            except OperationalError as e:
-                msg = f"database error: {e.orig}"
-                raise BackendUnavailable(msg) from e
 
         return await anyio.to_thread.run_sync(call)
 

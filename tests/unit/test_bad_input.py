@@ -1,0 +1,225 @@
+"""Bad settings as a user gives them: a database that cannot be reached or made, a value that
+names nothing, an unknown backend option, an accelerator that cannot work. Each is one line on
+stderr (or a JSON error object with ``--json``) naming the fix, exit code 1, never a traceback,
+and never a URL's password."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandlot.errors import InvalidRequest
+from sandlot.sdk import database_url
+from sandlot.store.connect import redact_url
+
+SECRET = "s3cret-pw"
+REFUSED = f"postgresql://sandlot:{SECRET}@127.0.0.1:1/x"
+"""Nothing listens on port 1: the connection is refused at once."""
+
+
+def sandlot(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, python: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """The CLI in its own process; ``python`` runs first in it (to take psycopg away)."""
+    full_env = {**os.environ, "SANDLOT_BACKEND": "fake", "COLUMNS": "200", **(env or {})}
+    boot = f"{python}\nimport runpy; runpy.run_module('sandlot', run_name='__main__')"
+    return subprocess.run(
+        [sys.executable, "-c", boot, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=60,
+        check=False,
+    )
+
+
+def one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The single stderr line of a failed command."""
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert SECRET not in proc.stderr + proc.stdout
+    return lines[0]
+
+
+def json_error(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert SECRET not in proc.stderr + proc.stdout
+    error = json.loads(proc.stdout)["error"]
+    assert isinstance(error, dict)
+    return error
+
+
+# -- the database: unreachable, unopenable, not installed ---------------------------------
+
+
+def test_an_unreachable_postgresql_is_one_line_naming_the_fix() -> None:
+    expected = "cannot reach PostgreSQL at 127.0.0.1:1 (connection refused); is the server running?"
+    assert one_line(sandlot("--database", REFUSED, "list")) == f"error: {expected}"
+    error = json_error(sandlot("--database", REFUSED, "list", "--json"))
+    assert (error["code"], error["message"]) == ("backend_unavailable", expected)
+    # The environment variable takes the same path.
+    env = {"SANDLOT_DATABASE_URL": REFUSED}
+    assert one_line(sandlot("create", env=env)) == f"error: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("database", "message"),
+    [
+        (
+            "/proc/x.db",
+            "cannot open the SQLite database /proc/x.db: /proc does not accept new files; "
+            "choose another path with --database or SANDLOT_DATABASE_URL",
+        ),
+        (
+            "sqlite:////nonexistent-dir/x.db",
+            "cannot open the SQLite database /nonexistent-dir/x.db: directory /nonexistent-dir "
+            "does not exist; choose another path with --database or SANDLOT_DATABASE_URL",
+        ),
+        (
+            "/etc/passwd",
+            "/etc/passwd is not a SQLite database; "
+            "choose another path with --database or SANDLOT_DATABASE_URL",
+        ),
+    ],
+)
+def test_an_unusable_sqlite_file_is_one_line(database: str, message: str) -> None:
+    assert one_line(sandlot("--database", database, "list")) == f"error: {message}"
+    error = json_error(sandlot("--database", database, "list", "--json"))
+    assert (error["code"], error["message"]) == ("invalid_request", message)
+
+
+def test_a_read_only_directory_is_one_line(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a read-only directory; /proc stands in for it above")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    message = (
+        f"cannot open the SQLite database {ro / 'x.db'}: directory {ro} is not writable "
+        "(SQLite keeps its journal beside the file); "
+        "choose another path with --database or SANDLOT_DATABASE_URL"
+    )
+    assert one_line(sandlot("--database", str(ro / "x.db"), "list")) == f"error: {message}"
+
+
+BLOCK_PSYCOPG = "import sys; sys.modules['psycopg'] = None"
+"""What a Python without psycopg does on ``import psycopg``: ModuleNotFoundError."""
+NOT_INSTALLED = "PostgreSQL support is not installed: pip install 'sandlot[postgres]'"
+
+
+def test_postgresql_without_psycopg_is_one_line_naming_the_install() -> None:
+    proc = sandlot("--database", "postgresql://127.0.0.1/test", "list", python=BLOCK_PSYCOPG)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+    error = json_error(
+        sandlot("--database", "postgresql://127.0.0.1/test", "list", "--json", python=BLOCK_PSYCOPG)
+    )
+    assert (error["code"], error["message"]) == ("backend_unavailable", NOT_INSTALLED)
+    # SQLite needs no psycopg at all.
+    assert sandlot("list", python=BLOCK_PSYCOPG).returncode == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cli/app.py _fail prints the message as rich markup, which eats '[postgres]' "
+    "(the change is the lead's: escape the message)",
+)
+def test_the_install_hint_is_printed_as_written() -> None:
+    proc = sandlot("--database", "postgresql://127.0.0.1/test", "list", python=BLOCK_PSYCOPG)
+    assert one_line(proc) == f"error: {NOT_INSTALLED}"
+
+
+def test_doctor_reports_the_database_as_a_failed_check() -> None:
+    proc = sandlot("--database", REFUSED, "doctor", "--json")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert SECRET not in proc.stdout + proc.stderr
+    (db,) = [c for c in json.loads(proc.stdout)["checks"]["general"] if c["name"] == "database"]
+    assert db["ok"] is False
+    assert db["detail"] == (
+        "cannot reach PostgreSQL at 127.0.0.1:1 (connection refused); is the server running?"
+    )
+    plain = sandlot("--database", "postgresql://127.0.0.1/test", "doctor", python=BLOCK_PSYCOPG)
+    assert plain.returncode == 1
+    assert "Traceback" not in plain.stderr
+    assert "pip install 'sandlot[postgres]'" in " ".join(plain.stdout.split())
+
+
+def test_serve_on_an_unreachable_database_is_one_line() -> None:
+    line = one_line(sandlot("serve", "--port", "0", "--database", REFUSED))
+    assert line == (
+        "error: cannot reach PostgreSQL at 127.0.0.1:1 (connection refused); is the server running?"
+    )
+
+
+# -- the database: values that name nothing ------------------------------------------------
+
+FORMS = (
+    "use sqlite:///PATH, postgresql://USER@HOST:PORT/DATABASE, "
+    "or a SQLite file path ending in .db, .sqlite or .sqlite3"
+)
+
+
+def test_a_bare_word_is_refused_instead_of_becoming_a_file(tmp_path: Path) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    message = f"database 'garbage' is neither a URL nor a SQLite file; {FORMS}"
+    assert one_line(sandlot("--database", "garbage", "list", cwd=cwd)) == f"error: {message}"
+    error = json_error(sandlot("--database", "garbage", "list", "--json", cwd=cwd))
+    assert (error["code"], error["message"]) == ("invalid_request", message)
+    env = {"SANDLOT_DATABASE_URL": "garbage"}
+    assert one_line(sandlot("list", cwd=cwd, env=env)) == f"error: {message}"
+    assert list(cwd.iterdir()) == []
+
+
+def test_the_accepted_forms_of_a_sqlite_database(tmp_path: Path, home: Path) -> None:
+    assert database_url("state.sqlite3", home) == f"sqlite:///{Path.cwd() / 'state.sqlite3'}"
+    kept = tmp_path / "records"  # no suffix, but it exists: a database made earlier
+    kept.touch()
+    assert database_url(str(kept), home) == f"sqlite:///{kept}"
+    assert database_url(f"sqlite:///{tmp_path / 'any-name'}", home).endswith("/any-name")
+    assert database_url(None, home) == f"sqlite:///{home / 'sandlot.db'}"
+    for bad in ("postgres:/db", "", "127.0.0.1:5432"):
+        with pytest.raises(InvalidRequest):
+            database_url(bad, home)
+    with pytest.raises(InvalidRequest, match="is a directory"):
+        database_url(str(tmp_path), home)
+    assert sandlot("--database", str(tmp_path / "new.db"), "list", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "new.db").is_file()
+
+
+def test_an_unknown_scheme_names_the_supported_ones_and_no_password() -> None:
+    message = (
+        "unsupported database URL scheme 'mysql://': sandlot stores its records in SQLite "
+        "(sqlite:///PATH) or PostgreSQL (postgresql://…, postgres://…, postgresql+psycopg://…)"
+    )
+    url = f"mysql://root:{SECRET}@db/x"
+    assert one_line(sandlot("--database", url, "list")) == f"error: {message}"
+    error = json_error(sandlot("--database", url, "list", "--json"))
+    assert (error["code"], error["message"]) == ("invalid_request", message)
+
+
+def test_redacted_urls_keep_everything_but_the_password() -> None:
+    assert redact_url(f"postgresql://u:{SECRET}@h:5/db") == "postgresql://u:***@h:5/db"
+    assert redact_url(f"postgresql://h/db?password={SECRET}") == "postgresql://h/db?password=***"
+    assert redact_url("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert SECRET not in redact_url(f"postgresql://u:{SECRET}@[::1/db")
+
+
+def test_a_home_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.touch()
+    line = one_line(sandlot("list", env={"SANDLOT_HOME": str(blocker)}))
+    assert line == (
+        f"error: cannot use the state directory {blocker} (a file is in the way); "
+        "set --home or SANDLOT_HOME to a writable directory"
+    )
