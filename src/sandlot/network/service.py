@@ -133,6 +133,8 @@ class SandboxNetworks:
         self.python = python or sys.executable
         (self.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True, mode=0o700)
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
+        # sandbox id -> (state file, its identity when read, the proxy environment it gave)
+        self._env_cache: dict[str, tuple[str, tuple[int, int, int, int], dict[str, str]]] = {}
 
     # ----------------------------------------------------------------- capabilities
 
@@ -222,8 +224,31 @@ class SandboxNetworks:
         return self._view(sandbox_id, st)
 
     def env(self, sandbox_id: str) -> dict[str, str]:
-        """Proxy environment for commands inside (empty for allow-all and deny-all)."""
-        return self.get(sandbox_id).env()
+        """Proxy environment for commands inside (empty for allow-all and deny-all).
+
+        Backends ask on every command they start, so that a policy changed at run time (by
+        any process) reaches the next command: the state is read again only when its file
+        changed.
+
+        Raises:
+            NotFound: the sandbox was never prepared.
+        """
+        cached = self._env_cache.get(sandbox_id)
+        # This runs on every exec: the path is a string made once, and os.stat is half the
+        # cost of Path.stat.
+        path = cached[0] if cached is not None else str(self._state_path(sandbox_id))
+        try:
+            st = os.stat(path)  # noqa: PTH116
+        except FileNotFoundError:
+            msg = f"no network for sandbox {sandbox_id}"
+            raise NotFound(msg) from None
+        # Every save is a rename onto the path, so a change is a new inode (and ctime).
+        key = (st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size)
+        if cached is not None and cached[1] == key:
+            return dict(cached[2])
+        env = self.get(sandbox_id).env()
+        self._env_cache[sandbox_id] = (path, key, env)
+        return dict(env)
 
     def log_path(self, sandbox_id: str) -> Path:
         """The sandbox's JSONL egress log."""
@@ -351,6 +376,7 @@ class SandboxNetworks:
 
     def teardown_sync(self, sandbox_id: str, keep_log: bool = False) -> None:
         """Blocking :meth:`teardown`."""
+        self._env_cache.pop(sandbox_id, None)
         prior = self._load(sandbox_id)
         if prior is not None and _unix_socket(prior) is not None:
             self._teardown_unix(sandbox_id, keep_log)

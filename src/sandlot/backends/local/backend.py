@@ -231,6 +231,53 @@ def _host_resolv_conf() -> str:
     return "# sandlot: the host's resolver listens on its loopback, which sandboxes cannot reach\n"
 
 
+_RESOLV_NO_NETWORK = "# sandlot: this sandbox has no outbound network\n"
+_RESOLV_PROXIED = (
+    "# sandlot: no resolver here; HTTP and HTTPS go out through the egress proxy\n"
+    "# ($HTTPS_PROXY), which resolves the names the network policy allows\n"
+)
+
+
+def _policy_kind(policy: NetworkPolicy) -> str:
+    return policy if isinstance(policy, str) else "allowlist"
+
+
+def _resolv_conf(kind: str, *, slirp: bool) -> str:
+    """What ``/etc/resolv.conf`` says inside a sandbox under policy ``kind``."""
+    if kind == "allow-all":
+        # Outbound traffic is NATed, so the sandbox can use the host's own nameservers
+        # (unless they sit on the host's loopback, which the sandbox cannot reach);
+        # slirp4netns offers a resolver of its own that forwards to them.
+        return f"nameserver {rootless.SLIRP_DNS}\n" if slirp else _host_resolv_conf()
+    # An allowlist's names are resolved by its proxy; inside, a query could only leak data.
+    return _RESOLV_PROXIED if kind == "allowlist" else _RESOLV_NO_NETWORK
+
+
+def _set_resolv_conf(path: Path, text: str) -> None:
+    """Write the host file a sandbox sees as its ``/etc/resolv.conf``.
+
+    In place, never by rename: the sandbox's ``/etc/resolv.conf`` is a bind mount of this very
+    inode, and a rename would leave it the old text. A reader inside sees the old text, an
+    empty file (no nameserver: the resolver asks the sandbox's own loopback and fails) or the
+    new text. Readable by every uid: the sandbox's are not the host's.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.fchmod(fd, 0o644)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _binds_resolv_conf(meta: _Meta, net: SandboxNetwork | None) -> bool:
+    """Whether a sandbox's ``/etc/resolv.conf`` is a host file of ours (``resolv.conf`` in its
+    directory), rewritten when its policy changes: for every sandbox whose policy can change
+    while it runs, under crun with the network service or rootless (slirp4netns comes and
+    goes). gVisor sandboxes, and those made without the network service, are deny-all for
+    life and keep their root's own file."""
+    return meta.runtime == "crun" and (net is not None or meta.idmap is not None)
+
+
 def _python_for_default_root() -> str:
     """The interpreter path inside a default-root sandbox (the host's, through ``/usr``)."""
     for cand in ("/usr/bin/python3", "/usr/local/bin/python3"):
@@ -803,7 +850,7 @@ class LocalBackend:
                 return
 
     def _bundle(
-        self, d: Path, meta: _Meta, spec: SandboxSpec, netns: str | None, env: dict[str, str]
+        self, d: Path, meta: _Meta, spec: SandboxSpec, net: SandboxNetwork | None
     ) -> object:
         """Write ``config.json``; the seccomp profile in it (for :meth:`Crun.learn_seccomp`)."""
         mounts: list[dict[str, object]] = [
@@ -814,15 +861,12 @@ class LocalBackend:
                 "options": ["bind", "ro", "nosuid", "nodev"],
             }
         ]
-        rootless_net = meta.idmap is not None and spec.network == "allow-all"
-        if (netns is not None or rootless_net) and spec.network == "allow-all":
-            # Outbound traffic is NATed, so the sandbox can use the host's own nameservers
-            # (unless they sit on the host's loopback, which the sandbox cannot reach);
-            # slirp4netns offers a resolver of its own that forwards to them.
+        if _binds_resolv_conf(meta, net):
+            # Bound read-only even under deny-all, so that a policy change at run time can
+            # rewrite what the sandbox reads (see _set_resolv_conf).
+            kind = net.kind if net is not None else _policy_kind(spec.network)
             resolv = d / "resolv.conf"
-            resolv.write_text(
-                f"nameserver {rootless.SLIRP_DNS}\n" if rootless_net else _host_resolv_conf()
-            )
+            _set_resolv_conf(resolv, _resolv_conf(kind, slirp=meta.idmap is not None))
             mounts.append(
                 {
                     "destination": "/etc/resolv.conf",
@@ -889,7 +933,10 @@ class LocalBackend:
         args = [*python, "-I", "-S", agent, *mode, "--workdir", spec.workdir, "--quiet"]
         if meta.runtime == "runsc":
             args = [*python, "-I", "-S", "-c", _GVISOR_BOOT, f"{_RUN_IN}/agent.sock", *args]
-        init_env = [*meta.image_env, *(f"{k}={v}" for k, v in env.items())]
+        # The network's proxy variables are not in the init's environment, which every
+        # command would inherit and no policy change could take back: the channel adds them
+        # to each command it starts (see channel()).
+        init_env = list(meta.image_env)
         uid_base, uid_size = meta.uid_base, RANGE_SIZE
         if meta.idmap is not None:
             # The runtime runs as root of the helper's user namespace, whose ids are the
@@ -904,7 +951,7 @@ class LocalBackend:
             resources=spec.resources,
             env=init_env,
             extra_mounts=mounts,
-            netns_path=netns,
+            netns_path=net.netns_path if net is not None else None,
             hostname=HOSTNAME,
             gvisor=meta.runtime == "runsc",
             rootless=meta.idmap is not None,
@@ -995,17 +1042,14 @@ class LocalBackend:
         profile: list[object] = []
 
         async def network_and_bundle() -> None:
-            netns: str | None = None
-            env: dict[str, str] = {}
+            net: SandboxNetwork | None = None
             if self._networks is not None and meta.net_key is not None:
                 # A reset keeps the namespace it had (the sandbox cannot change it: no
                 # CAP_NET_ADMIN); rebuilding it is for boots after a stop or a reboot.
                 net = self._kept_network(meta.net_key) if keep_network else None
                 if net is None:
                     net = await self._networks.prepare(meta.net_key, spec.network)
-                netns = net.netns_path
-                env.update(net.env())
-            profile.append(await anyio.to_thread.run_sync(self._bundle, d, meta, spec, netns, env))
+            profile.append(await anyio.to_thread.run_sync(self._bundle, d, meta, spec, net))
 
         with _lone_error():
             async with anyio.create_task_group() as tg:
@@ -1587,12 +1631,20 @@ class LocalBackend:
         if inner is None:
             inner = await self._connect(d, meta, 10.0)
         spec = meta.spec_model()
-        env = dict(spec.env)
-        if self._networks is not None and meta.net_key is not None:
-            # The proxy settings of the policy in force, which a pooled sandbox's init did not
-            # get at boot; the spec's own variables win.
-            with contextlib.suppress(NotFound):
-                env = {**self._networks.env(meta.net_key), **env}
+        spec_env = dict(spec.env)
+        networks, key = self._networks, meta.net_key
+
+        def env() -> dict[str, str]:
+            # Asked per command: the proxy variables of the policy in force now (it may have
+            # changed since this channel was made, by any process); the spec's own win.
+            if networks is None or key is None:
+                return spec_env
+            try:
+                proxy = networks.env(key)
+            except NotFound:
+                return spec_env
+            return {**proxy, **spec_env} if proxy else spec_env
+
         return LocalChannel(
             inner,
             env=env,
@@ -2201,10 +2253,89 @@ class LocalBackend:
         return meta.net_key
 
     async def update_network(self, ref: str, policy: NetworkPolicy) -> None:
-        """Change a sandbox's egress policy (new connections follow it at once)."""
-        key = self._net_key(ref)
-        assert self._networks is not None
-        await self._networks.update_policy(key, policy)
+        """Change a sandbox's network policy while it runs (or for its next start).
+
+        Every transition between ``allow-all``, ``deny-all`` and allowlists works both ways
+        under crun as root; rootless, between ``deny-all`` and ``allow-all``. New connections
+        follow the policy once this returns, and so do commands started afterwards (exec,
+        background processes, terminals): the proxy variables are added per command (present
+        exactly under an allowlist), ``/etc/resolv.conf`` is rewritten, and the interfaces and
+        routes are those of the policy. Processes already running keep the environment they
+        started with. The policy is recorded for the sandbox; a caller's later ``start`` gets
+        the policy its spec names.
+
+        Raises:
+            NotSupported: the change cannot be made here (gVisor sandboxes and sandboxes made
+                without the network service are ``deny-all`` for life; rootless sandboxes have
+                no allowlists, and ``allow-all`` needs slirp4netns). Nothing is changed.
+        """
+        kind = _policy_kind(policy)
+        async with self._alock(ref):
+            d, meta = self._meta(ref)
+            if self._network_can_switch(ref, meta, kind):
+                if meta.idmap is not None:
+                    await self._switch_slirp(d, meta, kind)
+                else:
+                    assert self._networks is not None
+                    assert meta.net_key is not None
+                    await self._networks.update_policy(meta.net_key, policy)
+                text = _resolv_conf(kind, slirp=meta.idmap is not None)
+                await anyio.to_thread.run_sync(_set_resolv_conf, d / "resolv.conf", text)
+            meta.spec = (
+                meta.spec_model().model_copy(update={"network": policy}).model_dump(mode="json")
+            )
+            meta.save(d / "meta.json")
+
+    def _network_can_switch(self, ref: str, meta: _Meta, kind: str) -> bool:
+        """Whether the sandbox's network can switch to ``kind``; False when it has ``kind`` for
+        life (nothing to do). Refuses, before anything changes, what it cannot switch to."""
+        if meta.idmap is not None:
+            if kind == "allowlist":
+                msg = (
+                    f"sandbox {ref} is rootless: network allowlists need root (the egress "
+                    "proxy's namespaces and nftables); without root a sandbox switches only "
+                    "between deny-all and allow-all"
+                )
+                raise NotSupported(msg, field="network")
+            problem = rootless.slirp_problem() if kind == "allow-all" else None
+            if problem is not None:
+                msg = f"network='allow-all' without root needs slirp4netns, and {problem}"
+                raise NotSupported(msg, field="network")
+            return True
+        if meta.runtime == "runsc" or self._networks is None or meta.net_key is None:
+            if kind == "deny-all":
+                return False
+            if meta.runtime == "runsc":
+                msg = (
+                    f"sandbox {ref} runs under gVisor, whose sandboxes are deny-all for life on "
+                    "this runsc (it cannot join a prepared network namespace); make an "
+                    "isolation='namespaces' sandbox to change its network"
+                )
+            else:
+                msg = (
+                    f"sandbox {ref} was made without the network service: it has loopback "
+                    "only (deny-all) for life"
+                )
+            raise NotSupported(msg, field="network")
+        if kind not in self._networks.capabilities():
+            msg = (
+                f"network policy {kind!r} is not enforced here (sandbox networks need root, "
+                "ip and nft)"
+            )
+            raise NotSupported(msg, field="network")
+        return True
+
+    async def _switch_slirp(self, d: Path, meta: _Meta, kind: str) -> None:
+        """Rootless: attach slirp4netns for ``allow-all``, detach it for ``deny-all`` (its tap
+        device goes with it, leaving loopback only). A stopped sandbox changes at its start."""
+        running = meta.init is not None and process_alive(meta.init[0], meta.init[1])
+        attached = meta.slirp is not None and process_alive(meta.slirp[0], meta.slirp[1])
+        if kind == "allow-all" and running and not attached:
+            await self._start_slirp(d, meta)
+        elif kind == "deny-all" and meta.slirp is not None:
+            slirp_pid, slirp_start = meta.slirp
+            await anyio.to_thread.run_sync(rootless.stop_slirp, slirp_pid, slirp_start)
+            meta.slirp = None
 
     def network_events(self, ref: str, offset: int = 0) -> tuple[list[dict[str, JsonValue]], int]:
         """The egress proxy's decisions for this sandbox since byte ``offset``."""
@@ -2333,7 +2464,10 @@ class LocalBackend:
                 and meta.net_key is not None
                 and spec.network != "deny-all"
             ):
-                await self._networks.update_policy(meta.net_key, spec.network)
+                net = await self._networks.update_policy(meta.net_key, spec.network)
+                await anyio.to_thread.run_sync(
+                    _set_resolv_conf, d / "resolv.conf", _resolv_conf(net.kind, slirp=False)
+                )
             if spec.workdir != "/workspace":
                 await anyio.to_thread.run_sync(
                     self._ensure_workdir, self._mnt(meta.container) / "rootfs", meta

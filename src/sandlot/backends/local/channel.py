@@ -1,10 +1,12 @@
 """The channel the local backend hands out: the agent client plus what only the host knows.
 
-It forwards everything to the agent connection and adds two things the agent cannot do on its
-own: the sandbox's default environment and working directory from its spec (a sandbox claimed
-from the warm pool was booted before its spec was known), and ``ExecResult.oom_killed``, read
-from the sandbox's memory cgroup on the host (a counter the sandbox cannot forge). Must not
-import the store or the Manager.
+It forwards everything to the agent connection and adds what the agent cannot know on its own:
+the sandbox's default environment and working directory from its spec (a sandbox claimed from
+the warm pool was booted before its spec was known), the proxy variables of the network policy
+in force when each command starts (a policy changes at run time, and the agent's own
+environment, which every command inherits, never holds them), and ``ExecResult.oom_killed``,
+read from the sandbox's memory cgroup on the host (a counter the sandbox cannot forge). Must
+not import the store or the Manager.
 """
 
 from __future__ import annotations
@@ -34,13 +36,20 @@ def read_oom_kills(files: list[Path]) -> int:
 
 @final
 class LocalChannel(ForwardingChannel):
-    """A :class:`~sandlot.channel.base.Channel` to one local sandbox."""
+    """A :class:`~sandlot.channel.base.Channel` to one local sandbox.
+
+    Args:
+        inner: The agent connection (closing this closes it).
+        env: Called at each start for the variables every command gets under the caller's.
+        workdir: The directory a command starts in when the caller names none.
+        oom_files: The memory cgroup files holding the sandbox's OOM-kill counter.
+    """
 
     def __init__(
         self,
         inner: Channel,
         *,
-        env: dict[str, str],
+        env: Callable[[], dict[str, str]],
         workdir: str,
         oom_files: Callable[[], list[Path]],
     ) -> None:
@@ -50,10 +59,11 @@ class LocalChannel(ForwardingChannel):
         self._oom_files = oom_files
 
     def start_env(self, env: dict[str, str] | None) -> dict[str, str] | None:
-        """The spec's environment under the caller's."""
-        if not self._env:
+        """The spec's environment and the network's proxy variables under the caller's."""
+        base = self._env()
+        if not base:
             return env
-        return {**self._env, **(env or {})}
+        return {**base, **(env or {})}
 
     def start_cwd(self, cwd: str | None) -> str | None:
         """The caller's directory, else the spec's workdir."""

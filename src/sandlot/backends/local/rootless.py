@@ -472,8 +472,12 @@ def _host_addresses() -> list[str]:
 # What rootful ``allow-all`` also refuses (see docs/network.md), for a sandbox whose way out is
 # slirp4netns running as the caller on the host: its gateway (the host's loopback, refused by
 # slirp4netns too), the host's own addresses, link-local (cloud metadata), multicast and
-# broadcast. The resolver slirp4netns offers stays reachable.
+# broadcast. The resolver slirp4netns offers stays reachable. Loaded in one transaction that
+# first drops any fence of an earlier attachment (a sandbox switched back to allow-all), so the
+# rules never double and never lapse.
 _FENCE = """\
+table inet sandlot {{}}
+delete table inet sandlot
 table inet sandlot {{
   chain out {{
     type filter hook output priority 0; policy accept;
