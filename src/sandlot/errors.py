@@ -66,6 +66,16 @@ class SandboxError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    @property
+    def sandbox_id(self) -> str | None:
+        """The sandbox the error is about, when it names one (a failed creation names the
+        sandbox it left, so ``with client.create(...)`` callers can clean up)."""
+        for key in ("sandbox_id", "id"):
+            value = self.details.get(key)
+            if isinstance(value, str) and value.startswith("sb-"):
+                return value
+        return None
+
     def to_dict(self) -> dict[str, object]:
         """The error as JSON-able data (what HTTP and MCP send)."""
         return {"code": self.code, "message": self.message, "details": self.details}
@@ -176,8 +186,9 @@ class ExecFailed(SandboxError):
     code = "exec_failed"
     status = 422
 
-    def __init__(self, message: str, result: ExecResult) -> None:
-        super().__init__(message, exit_code=result.exit_code)
+    def __init__(self, message: str, result: ExecResult, **details: object) -> None:
+        details.pop("exit_code", None)
+        super().__init__(message, exit_code=result.exit_code, **details)
         self.result = result
 
 

@@ -112,6 +112,8 @@ LAST_LINES = 20
 FAILED_KEEP = 3600.0
 """Seconds a failed creation is kept for inspection (its backend sandbox stopped) before the
 sweep destroys it, unless the sandbox's own time to live ends sooner."""
+_INSPECT_UNTIL = "inspect_until"
+"""Metadata of a failed creation: until when it is kept for inspection."""
 _CREATING = frozenset(
     {SandboxStatus.PROVISIONING, SandboxStatus.SETTING_UP, SandboxStatus.STARTING}
 )
@@ -798,7 +800,9 @@ class Manager:
         except NotFound:
             return  # refused before anything was recorded
         error.details["sandbox_id"] = sb.id
+        error.details["failure"] = error.message
         if sb.status is S.FAILED and sb.expires_at is not None:
+            error.details["kept_until"] = sb.expires_at.isoformat()
             error.message += (
                 f" (sandbox {sb.id} is kept, failed, for inspection until "
                 f"{sb.expires_at:%Y-%m-%d %H:%M:%S} UTC)"
@@ -1318,6 +1322,7 @@ class Manager:
             error=None,
             death=None,
             expires_at=expiry,
+            metadata={k: v for k, v in sb.metadata.items() if k != _INSPECT_UNTIL},
             last_active_at=utcnow(),
         )
 
@@ -2098,7 +2103,7 @@ class Manager:
         ]
         for sb in due:
             if sb.status is S.FAILED:
-                if _past_ttl(sb, now):
+                if _INSPECT_UNTIL in sb.metadata and _past_ttl(sb, now):
                     report.checked += 1
                     await self._discard(sb, report)
                 continue
@@ -2189,15 +2194,15 @@ class Manager:
         if before is S.RUNNING and state.state == "stopped":
             # An init that exited without being asked to is a crash (an OOM kill says oom).
             cause = state.reason or "exited"
+            message = state.detail or f"stopped behind our back ({cause})"
             if cause == "exited":
                 cause = "crashed"
+                message = (
+                    state.detail or "its init ended with no stop asked for (killed or crashed)"
+                )
             await self._drop_channel(sb.id)
             await self._cas(
-                sb,
-                status=S.STOPPED,
-                death=DeathCertificate(
-                    cause=cause, message=state.detail or f"stopped behind our back ({cause})"
-                ),
+                sb, status=S.STOPPED, death=DeathCertificate(cause=cause, message=message)
             )
             return f"running -> stopped ({cause})"
         return None
@@ -2359,8 +2364,12 @@ class Manager:
             patch: dict[str, object] = {}
             if current.status in _CREATING:
                 keep = utcnow() + timedelta(seconds=self.failed_keep)
-                if current.expires_at is None or current.expires_at > keep:
-                    patch["expires_at"] = keep
+                if current.expires_at is not None and current.expires_at < keep:
+                    keep = current.expires_at
+                # Marked so, the sweep destroys it at ``keep``; other failed sandboxes (a
+                # stop that failed, say) keep their files until someone decides.
+                patch["expires_at"] = keep
+                patch["metadata"] = {**current.metadata, _INSPECT_UNTIL: keep.isoformat()}
                 await self._halt_quietly(current)
             try:
                 return await self._cas(

@@ -165,11 +165,16 @@ def _fail(error: SandboxError, as_json: bool) -> NoReturn:
 
 
 def _run(
-    as_json: bool, body: Callable[[AsyncSandlot], Awaitable[T]], *, actor: Actor | None = None
+    as_json: bool,
+    body: Callable[[AsyncSandlot], Awaitable[T]],
+    *,
+    actor: Actor | None = None,
+    interrupted: Callable[[], str] | None = None,
 ) -> T:
     """Run ``body`` with a client, turning sandlot errors into one line and exit code 1.
 
     ``actor`` overrides who the embedded client acts as (a server decides that from the key).
+    ``interrupted`` says, after a Ctrl-C, what the command left behind.
     """
 
     async def main() -> T:
@@ -189,7 +194,7 @@ def _run(
     except SandboxError as e:
         _fail(e, as_json)
     except KeyboardInterrupt:
-        err.print("interrupted")
+        err.print(f"interrupted{': ' + interrupted() if interrupted else ''}")
         raise typer.Exit(130) from None
 
 
@@ -343,9 +348,22 @@ def create(
             on_setup_output=None if as_json else show_setup,
             idempotency_key=idempotency_key,
         )
+        made.append(handle.info)
         return handle.info
 
-    info = _run(as_json, body)
+    made: list[SandboxInfo] = []
+
+    def left_behind() -> str:
+        # Ctrl-C after the sandbox was made: name it (stdout, as a success would), since
+        # nothing else would. Before: a creation without a key destroys what it had made.
+        if made:
+            print(made[0].id, flush=True)
+            return f"sandbox {made[0].id} had been created and is {made[0].status}"
+        if idempotency_key:
+            return "repeat with the same --idempotency-key to get the creation's outcome"
+        return "nothing was left behind"
+
+    info = _run(as_json, body, interrupted=left_behind)
     if as_json:
         _print_json(info)
     else:
@@ -504,9 +522,24 @@ def run(
     async def body(client: AsyncSandlot) -> int:
         cmd = _command(command or [], shell)
         full = spec_from_options(values)
-        handle = await client.create(
-            full, on_setup_output=None if as_json else (lambda c: _write("stderr", c.data))
-        )
+        try:
+            handle = await client.create(
+                full, on_setup_output=None if as_json else (lambda c: _write("stderr", c.data))
+            )
+        except SandboxError as e:
+            # A one-shot run cleans up after itself: the failed sandbox goes too.
+            if keep or e.sandbox_id is None:
+                raise
+            with anyio.CancelScope(shield=True):
+                try:
+                    await (await client.get(e.sandbox_id)).destroy()
+                except SandboxError:
+                    raise e from None  # its message says it was kept: still true
+            e.message = (
+                f"{e.details.get('failure', e.message)} (sandbox {e.sandbox_id} was destroyed; "
+                "--keep keeps a failed one)"
+            )
+            raise
         try:
             result = await handle.exec(
                 cmd,

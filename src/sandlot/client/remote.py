@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import hashlib
 import inspect
 import json as jsonlib
 import os
+import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
@@ -121,7 +123,7 @@ def _problem_error(
     code: str, message: str, details: dict[str, object], result: object = None
 ) -> SandboxError:
     if code == ExecFailed.code and isinstance(result, dict):
-        return ExecFailed(message, ExecResult.model_validate(result))
+        return ExecFailed(message, ExecResult.model_validate(result), **details)
     return error_from_code(code, message, details)
 
 
@@ -965,13 +967,39 @@ class AsyncClient:
         body: dict[str, object] = {"spec": full.model_dump(mode="json"), "backend": backend}
         if full.git is not None and full.git.auth:
             body["git_auth"] = full.git.auth
-        if on_setup_output is None:
+        # Without a key of the caller's, one of our own: if this call is interrupted (Ctrl-C,
+        # a cancelled task) the server still finishes the creation, and the key is how we
+        # find what it made and destroy it, so nothing is left that nobody knows of.
+        key = idempotency_key or f"sandlot-client-{secrets.token_hex(12)}"
+        try:
+            if on_setup_output is None:
+                response = await self._request(
+                    "POST", "/v1/sandboxes", json=body, headers=_key_header(key)
+                )
+                return AsyncRemoteSandbox(self, SandboxInfo.model_validate(response.json()))
+            data = await self._job("/v1/sandboxes", body, on_setup_output, key=key)
+            return AsyncRemoteSandbox(self, SandboxInfo.model_validate(data))
+        except SandboxError:
+            raise
+        except BaseException:
+            if idempotency_key is None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                    await self._undo_create(body, key)
+            raise
+
+    async def _undo_create(self, body: Mapping[str, object], key: str) -> None:
+        """Destroy what an interrupted creation made: a repeat under its key returns it (once
+        the server has finished it), or the error naming the sandbox it left."""
+        try:
             response = await self._request(
-                "POST", "/v1/sandboxes", json=body, headers=_key_header(idempotency_key)
+                "POST", "/v1/sandboxes", json=body, headers=_key_header(key)
             )
-            return AsyncRemoteSandbox(self, SandboxInfo.model_validate(response.json()))
-        data = await self._job("/v1/sandboxes", body, on_setup_output, key=idempotency_key)
-        return AsyncRemoteSandbox(self, SandboxInfo.model_validate(data))
+            sandbox_id: str | None = str(response.json()["id"])
+        except SandboxError as e:
+            sandbox_id = e.sandbox_id
+        if sandbox_id is not None:
+            with contextlib.suppress(SandboxError):
+                await self._request("DELETE", f"/v1/sandboxes/{_quote(sandbox_id)}")
 
     async def get(self, sandbox_id: str) -> AsyncRemoteSandbox:
         """A handle on an existing sandbox (``NotFound`` names the id)."""

@@ -1,0 +1,121 @@
+"""The CLI on the real ``local`` backend, one process per command, as a new user runs it
+(issue 13: a crashed sandbox, a failed setup, a missing working directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sandlot.backends.local.runtime import process_alive
+
+SANDLOT = [sys.executable, "-m", "sandlot"]
+
+
+@pytest.fixture
+def cli(tmp_path: Path):  # type: ignore[no-untyped-def]
+    home = tmp_path / "home"
+    env = {**os.environ, "SANDLOT_HOME": str(home), "SANDLOT_BACKEND": "local", "COLUMNS": "200"}
+    made: list[str] = []
+
+    def run(*args: str, stdin: str | None = "") -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [*SANDLOT, *args], input=stdin, capture_output=True, text=True, env=env, timeout=120
+        )
+        made.extend(ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("sb-"))
+        return proc
+
+    run.home = home  # type: ignore[attr-defined]
+    run.made = made  # type: ignore[attr-defined]
+    yield run
+    for sid in {*made, *_ids_in(home)}:
+        run("destroy", sid)
+
+
+def _ids_in(home: Path) -> list[str]:
+    root = home / "backends" / "local"
+    return [p.name for p in root.iterdir() if p.name.startswith("sb-")] if root.is_dir() else []
+
+
+def _init(home: Path, sandbox_id: str) -> tuple[int, int]:
+    meta = json.loads((home / "backends" / "local" / sandbox_id / "meta.json").read_text())
+    pid, start = meta["init"]
+    return int(pid), int(start)
+
+
+def test_a_sandbox_whose_init_was_killed_is_seen_stopped_and_comes_back(cli) -> None:  # type: ignore[no-untyped-def]
+    created = cli("create", "--network", "deny-all")
+    assert created.returncode == 0, created.stderr
+    sid = created.stdout.strip()
+    assert cli("exec", sid, "--", "sh", "-c", "echo kept > /workspace/f").returncode == 0
+    pid, start = _init(cli.home, sid)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while process_alive(pid, start) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    got = json.loads(cli("get", sid, "--json").stdout)
+    assert got["status"] == "stopped", got
+    assert got["death"]["cause"] == "crashed"
+    assert "killed or crashed" in got["death"]["message"] or "signal" in got["death"]["message"]
+
+    refused = cli("exec", "--no-resume", sid, "--", "true")
+    assert refused.returncode == 1
+    assert "crashed" in refused.stderr
+
+    # Any operation boots it again (files kept); so does resume, for real.
+    ran = cli("exec", sid, "--", "cat", "/workspace/f")
+    assert (ran.returncode, ran.stdout) == (0, "kept\n"), ran.stderr
+    pid2, start2 = _init(cli.home, sid)
+    assert process_alive(pid2, start2)
+    os.kill(pid2, signal.SIGKILL)
+    while process_alive(pid2, start2):
+        time.sleep(0.05)
+    resumed = cli("resume", sid, "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["status"] == "running"
+    assert process_alive(*_init(cli.home, sid)), "resume started it again"
+    assert "death" not in json.loads(cli("get", sid, "--json").stdout) or (
+        json.loads(cli("get", sid, "--json").stdout)["death"] is None
+    )
+
+
+def test_a_failed_setup_prints_the_sandbox_and_stops_it(cli) -> None:  # type: ignore[no-untyped-def]
+    failed = cli("create", "--network", "deny-all", "--setup", "false")
+    assert failed.returncode == 1
+    (line,) = failed.stderr.strip().splitlines()
+    assert line.startswith("error: setup step 1 exited with 1")
+    sid = line.split("(sandbox ")[1].split()[0]
+    assert sid.startswith("sb-")
+    assert "kept" in line
+    meta = json.loads((cli.home / "backends" / "local" / sid / "meta.json").read_text())
+    assert meta["init"] is None or not process_alive(*meta["init"]), "its processes are stopped"
+    as_json = cli("create", "--network", "deny-all", "--setup", "false", "--json")
+    error = json.loads(as_json.stdout)["error"]
+    assert error["details"]["sandbox_id"].startswith("sb-")
+    assert error["details"]["kept_until"]
+
+
+def test_run_whose_setup_fails_leaves_nothing(cli) -> None:  # type: ignore[no-untyped-def]
+    ran = cli("run", "--network", "deny-all", "--setup", "false", "--", "true")
+    assert ran.returncode == 1
+    assert "was destroyed" in ran.stderr
+    listed = json.loads(cli("list", "--json").stdout)
+    assert listed == []
+    assert _ids_in(cli.home) == [], "its backend sandbox is gone too"
+
+
+def test_exec_in_a_missing_directory_is_one_line(cli) -> None:  # type: ignore[no-untyped-def]
+    sid = cli("create", "--network", "deny-all").stdout.strip()
+    for stdin in ("", None):  # streamed standard input (a pipe), and none
+        bad = cli("exec", "--cwd", "/nonexistent", sid, "--", "ls", stdin=stdin)
+        assert bad.returncode == 1
+        assert bad.stderr.strip() == (
+            "error: working directory /nonexistent: No such file or directory"
+        ), bad.stderr

@@ -1,0 +1,68 @@
+"""A server enforces time to live for API-key tenants (issue 13 item 1).
+
+Before, the sweep acted as the ``default`` tenant, the default policy's tenant boundary denied
+every stop of another tenant's sandbox, and the failure was only a log line: an expired sandbox
+of tenant ``acme`` ran for good while ``/v1/stop-expired`` answered ``{"stopped": []}``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+from sandlot.client import Client
+from sandlot.models import SandboxStatus
+from sandlot.server import ServerConfig
+from sandlot.server.testing import ServerThread
+from sandlot.testing import FakeBackend
+
+
+def test_a_tenants_sandbox_stops_when_its_ttl_runs_out(tmp_path: Path) -> None:
+    fake = FakeBackend()
+    config = ServerConfig(sweep_interval=0.2)
+    with ServerThread(tmp_path / "srv", backends={"fake": fake}, config=config) as server:
+        key = server.new_key("acme")
+        with Client(server.url, key) as acme:
+            sb = acme.create(timeout=1)
+            deadline = time.monotonic() + 15
+            while sb.refresh().status is SandboxStatus.RUNNING and time.monotonic() < deadline:
+                time.sleep(0.1)
+            info = sb.refresh()
+            assert info.status is SandboxStatus.STOPPED
+            assert info.death is not None
+            assert info.death.cause == "ttl"
+            assert fake.sandboxes[f"fake-{sb.id}"].state == "stopped"
+
+
+def test_stop_expired_reports_what_it_could_not_stop(tmp_path: Path) -> None:
+    fake = FakeBackend()
+    config = ServerConfig(sweep_interval=None)
+    with ServerThread(tmp_path / "srv", backends={"fake": fake}, config=config) as server:
+        key = server.new_key("acme")
+        admin = server.new_key("ops", admin=True)
+        with Client(server.url, key) as acme:
+            stuck = acme.create(timeout=1)
+            fine = acme.create(timeout=1)
+            time.sleep(1.2)
+            fake.fail_next("stop")  # the first stop of the sweep fails
+            r = httpx.post(
+                f"{server.url}/v1/stop-expired", headers={"Authorization": f"Bearer {admin}"}
+            )
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert len(body["stopped"]) == 1
+            assert len(body["errors"]) == 1
+            (failed_id,) = body["errors"]
+            assert {failed_id, *body["stopped"]} == {stuck.id, fine.id}
+            assert "injected failure in stop" in body["errors"][failed_id]
+            # The one whose stop failed is failed now, with why; a later sweep leaves it be
+            # (its files are kept until someone decides), and says nothing more.
+            info = acme.get(failed_id).info
+            assert info.status is SandboxStatus.FAILED
+            assert "injected failure in stop" in (info.error or "")
+            with Client(server.url, admin) as ops:
+                again = ops.stop_expired()
+            assert (again.expired, again.discarded, again.errors) == ([], [], {})
+            assert f"fake-{failed_id}" in fake.sandboxes
