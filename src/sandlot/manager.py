@@ -780,10 +780,11 @@ class Manager:
             except SandboxError as e:
                 await self._named(e, sandbox_id)
                 raise
-            except BaseException:
+            except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
                 if begun is None:
                     # Interrupted (Ctrl-C, a cancelled caller) with no key to replay it by:
-                    # nobody learnt its id, so nothing it made is left behind.
+                    # nobody learnt its id, so nothing it made is left behind. (Any other
+                    # failure keeps it, failed, for inspection like a failed setup.)
                     with anyio.CancelScope(shield=True):
                         await self._discard_interrupted(sandbox_id)
                 raise

@@ -150,7 +150,25 @@ async def test_two_hosts_on_one_database_keep_to_their_own_sandboxes(tmp_path: P
         assert (await b.stop_expired()).expired == []
         with pytest.raises(InvalidState, match="lives on host"):
             await (await b.get(sb.id)).exec("echo hi")
+        # Every operation that would touch the runtime is refused alike: marking the record
+        # destroyed here would leave its runtime running on host a.
+        theirs = await b.get(sb.id)
+        for operation in (
+            theirs.destroy,
+            theirs.stop,
+            theirs.resume,
+            theirs.snapshot,
+            theirs.reset,
+            lambda: theirs.update_network("deny-all"),
+            lambda: theirs.expose_port(8000),
+            theirs.network_log,
+            lambda: theirs.fork(1),
+        ):
+            with pytest.raises(InvalidState, match="lives on host"):
+                await operation()
+        assert "lives on host" in (await b.reconcile([sb.id])).errors[sb.id]
         assert (await sb.refresh()).status is S.RUNNING
+        assert f"fake-{sb.id}" in a.manager.backends["fake"].sandboxes  # type: ignore[attr-defined]
         # Each home signs its own receipt log, so both can write to the shared database.
         other = await b.create()
         assert a.receipts.log_id != b.receipts.log_id

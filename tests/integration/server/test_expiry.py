@@ -66,3 +66,36 @@ def test_stop_expired_reports_what_it_could_not_stop(tmp_path: Path) -> None:
                 again = ops.stop_expired()
             assert (again.expired, again.discarded, again.errors) == ([], [], {})
             assert f"fake-{failed_id}" in fake.sandboxes
+
+
+def test_an_interrupted_remote_create_leaves_nothing(tmp_path: Path) -> None:
+    """Ctrl-C in a client while the server creates: the server finishes (it never leaves a
+    transition half done), and the client finds what it made by its own key and destroys it."""
+    import anyio
+
+    from sandlot.client import AsyncClient
+    from sandlot.models import ExecResult
+    from sandlot.testing import FakeExec
+
+    fake = FakeBackend()
+
+    async def slow(req: FakeExec) -> ExecResult | None:
+        if req.argv[-1] == "slow setup":
+            await anyio.sleep(1.5)
+        return None
+
+    fake.exec_handler = slow
+    config = ServerConfig(sweep_interval=None)
+    with ServerThread(tmp_path / "srv", backends={"fake": fake}, config=config) as server:
+        key = server.new_key("acme")
+
+        async def interrupted() -> None:
+            async with AsyncClient(server.url, api_key=key) as client:
+                with anyio.move_on_after(0.5):
+                    await client.create(setup="slow setup")
+                (info,) = await client.list(include_destroyed=True)
+                assert info.status is SandboxStatus.DESTROYED
+                assert await client.list() == []
+
+        anyio.run(interrupted)
+        assert fake.sandboxes == {}
