@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from sandlot.errors import InvalidRequest
+from sandlot.backends.microvm import qemu
+from sandlot.backends.microvm.image import ImagePaths
+from sandlot.backends.options import BACKEND_OPTIONS
+from sandlot.backends.registry import BACKEND_NAMES
+from sandlot.errors import BackendUnavailable, InvalidRequest
 from sandlot.sdk import database_url
 from sandlot.store.connect import redact_url
 
@@ -223,3 +229,180 @@ def test_a_home_that_is_a_file_is_one_line(tmp_path: Path) -> None:
         f"error: cannot use the state directory {blocker} (a file is in the way); "
         "set --home or SANDLOT_HOME to a writable directory"
     )
+
+
+# -- backend options ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (
+            "nosuch.key=1",
+            "--option nosuch.key: unknown backend 'nosuch' (known: fake, local, microvm)",
+        ),
+        (
+            "local.nosuch=1",
+            "--option local.nosuch: the local backend has no option 'nosuch' (its options: isolation)",
+        ),
+        (
+            "microvm.vcpus=2",
+            "--option microvm.vcpus: the microvm backend has no option 'vcpus' (it takes no options)",
+        ),
+        (
+            "local.isolation=vm",
+            "--option local.isolation must be one of namespaces, gvisor, got 'vm'",
+        ),
+    ],
+)
+def test_an_unknown_backend_option_is_refused_naming_the_known_ones(
+    option: str, message: str
+) -> None:
+    # On the fake backend too: a spec carrying another backend's options must still make sense.
+    assert one_line(sandlot("create", "-o", option)) == f"error: {message}"
+    error = json_error(sandlot("create", "-o", option, "--json"))
+    assert (error["code"], error["message"]) == ("invalid_request", message)
+
+
+def test_a_spec_files_backend_options_are_checked_too(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"backend_options": {"locl": {"isolation": "gvisor"}}}))
+    assert one_line(sandlot("create", "--spec", str(spec))) == (
+        "error: --spec: backend_options.locl: unknown backend 'locl' (known: fake, local, microvm)"
+    )
+    spec.write_text(json.dumps({"backend_options": {"local": {"isolation": "gvisor"}}}))
+    created = sandlot("create", "--spec", str(spec), "-o", "local.isolation=namespaces", "--json")
+    assert created.returncode == 0, created.stderr
+    assert json.loads(created.stdout)["spec"]["backend_options"] == {
+        "local": {"isolation": "namespaces"}
+    }
+
+
+def test_every_backend_declares_its_options() -> None:
+    assert set(BACKEND_OPTIONS) == set(BACKEND_NAMES)
+
+
+# -- the microVM accelerator -------------------------------------------------------------
+
+
+def _image(tmp_path: Path) -> ImagePaths:
+    return ImagePaths(
+        tmp_path, tmp_path / "bzImage", tmp_path / "initrd", tmp_path / "disk", "raw", "", "key"
+    )
+
+
+def _cache_probe(cache: Path, image: ImagePaths, *, works: bool) -> None:
+    """A probe answer in the cache, as an earlier run on this host boot left it."""
+    path = cache / "microvm" / "kvm-probe.json"
+    path.parent.mkdir(parents=True)
+    reason = "a probe boot under KVM failed: QEMU said no; using TCG emulation"
+    mode = "tcg"
+    if works:
+        reason, mode = "a probe boot under KVM reached the guest in 0.50 s", "kvm"
+    path.write_text(json.dumps({"key": qemu._probe_key(image), "mode": mode, "reason": reason}))
+
+
+@pytest.mark.parametrize("value", ["bogus", "KVM-please", "1"])
+def test_a_bogus_accelerator_is_refused_naming_kvm_and_tcg(
+    value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDLOT_MICROVM_ACCEL", value)
+    with pytest.raises(InvalidRequest) as caught:
+        qemu.decide_accel(_image(tmp_path), tmp_path)
+    assert caught.value.message == (
+        f"SANDLOT_MICROVM_ACCEL must be kvm or tcg (or unset, to let sandlot probe), got {value!r}"
+    )
+    check = qemu.accel_check(_image(tmp_path), tmp_path)
+    assert (check.ok, check.detail) == (False, caught.value.message)
+
+
+def test_the_accelerator_setting_is_case_and_blank_tolerant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDLOT_MICROVM_ACCEL", " TCG ")
+    assert qemu.decide_accel(_image(tmp_path), tmp_path).mode == "tcg"
+    monkeypatch.setenv("SANDLOT_MICROVM_ACCEL", "")
+    assert qemu.forced_accel() is None
+
+
+def test_forcing_kvm_where_the_probe_failed_is_refused_before_any_vm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = _image(tmp_path)
+    _cache_probe(tmp_path, image, works=False)
+    monkeypatch.setenv("SANDLOT_MICROVM_ACCEL", "kvm")
+    with pytest.raises(BackendUnavailable) as caught:
+        qemu.decide_accel(image, tmp_path)
+    why = (
+        "a probe boot under KVM failed: QEMU said no"
+        if os.access("/dev/kvm", os.R_OK | os.W_OK)
+        else "/dev/kvm is absent or not accessible"
+    )
+    assert caught.value.message == (
+        f"SANDLOT_MICROVM_ACCEL=kvm, but KVM cannot run a guest on this host ({why}); "
+        "unset it to let sandlot use TCG, or set it to tcg"
+    )
+    check = qemu.accel_check(image, tmp_path)
+    assert (check.name, check.ok, check.detail) == ("accelerator", False, caught.value.message)
+    # Unforced, the same answer means TCG, as before.
+    monkeypatch.delenv("SANDLOT_MICROVM_ACCEL")
+    assert qemu.decide_accel(image, tmp_path).mode == "tcg"
+
+
+def test_forcing_kvm_where_the_probe_worked_uses_kvm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        pytest.skip("needs an accessible /dev/kvm (the probe's answer is read only then)")
+    image = _image(tmp_path)
+    _cache_probe(tmp_path, image, works=True)
+    monkeypatch.setenv("SANDLOT_MICROVM_ACCEL", "kvm")
+    decision = qemu.decide_accel(image, tmp_path)
+    assert decision.mode == "kvm"
+    assert decision.reason.startswith("set by SANDLOT_MICROVM_ACCEL; a probe boot under KVM")
+
+
+def _built_image() -> ImagePaths:
+    from sandlot.backends.microvm.image import find_cached_image
+
+    if shutil.which(qemu.QEMU_BINARY) is None:
+        pytest.skip(f"needs {qemu.QEMU_BINARY} (apt-get install qemu-system-x86)")
+    image = find_cached_image()
+    if image is None:
+        pytest.skip("needs a built microvm guest image (sandlot images build microvm)")
+    return image
+
+
+def test_a_bogus_accelerator_fails_a_microvm_create_and_the_doctor_in_one_line() -> None:
+    _built_image()
+    env = {"SANDLOT_MICROVM_ACCEL": "bogus"}
+    line = one_line(sandlot("-b", "microvm", "create", "--network", "deny-all", env=env))
+    assert line.startswith(
+        "error: SANDLOT_MICROVM_ACCEL must be kvm or tcg (or unset, to let sandlot probe), "
+        "got 'bogus'"
+    )
+    doctor = json.loads(sandlot("doctor", "--json", env=env).stdout)
+    assert doctor["backends"]["microvm"]["usable"] is False
+    assert any(
+        not c["ok"] and "must be kvm or tcg" in c["detail"] for c in doctor["checks"]["microvm"]
+    )
+
+
+def test_forced_kvm_on_a_host_whose_kvm_cannot_run_a_guest_fails_fast() -> None:
+    image = _built_image()
+    works, why, _ = qemu._kvm_works(image, None)  # the real probe (or its cached answer)
+    if works:
+        pytest.skip("KVM runs guests on this host: forcing it is fine")
+    env = {"SANDLOT_MICROVM_ACCEL": "kvm"}
+    expected = (
+        f"error: SANDLOT_MICROVM_ACCEL=kvm, but KVM cannot run a guest on this host ({why}); "
+        "unset it to let sandlot use TCG, or set it to tcg"
+    )
+    started = time.monotonic()
+    line = one_line(sandlot("-b", "microvm", "create", "--network", "deny-all", env=env))
+    assert time.monotonic() - started < 30
+    assert line.startswith(expected)
+    doctor = sandlot("doctor", "--json", env=env)
+    report = json.loads(doctor.stdout)
+    assert report["backends"]["microvm"]["usable"] is False
+    assert any(c["detail"] == expected.removeprefix("error: ") for c in report["checks"]["microvm"])

@@ -2,7 +2,8 @@
 
 ``create`` and ``run`` take every spec field as an option, or a whole spec from ``--spec
 FILE`` (JSON or TOML) with options laid over it. Bad input becomes one ``InvalidRequest``
-naming the option. This module must not import backends.
+naming the option; backend options are checked against what each backend declares
+(:mod:`sandlot.backends.options`). This module must not import concrete backends.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from sandlot.backends.options import check_backend_options
 from sandlot.errors import InvalidRequest
 from sandlot.models import SandboxSpec, parse_model
 
@@ -164,6 +166,7 @@ def _backend_options(values: list[str] | None) -> dict[str, dict[str, object]]:
         except ValueError:
             value = raw
         out.setdefault(backend, {})[name] = value
+    check_backend_options(out, flag="--option")
     return out
 
 
@@ -224,8 +227,14 @@ def spec_from_options(v: dict[str, object]) -> SandboxSpec:
     elif v.get("git_auth") and isinstance(base.get("git"), dict):
         put("git", {**_dict(base.get("git")), "auth": v.get("git_auth")})
     options = _backend_options(_list(v.get("option")))
+    from_file = {k: _dict(val) for k, val in _dict(base.get("backend_options")).items()}
+    try:
+        check_backend_options(from_file)
+    except InvalidRequest as e:
+        msg = f"--spec: {e.message}"
+        raise InvalidRequest(msg) from None
     if options:
-        merged = {k: dict(_dict(val)) for k, val in _dict(base.get("backend_options")).items()}
+        merged = {k: dict(val) for k, val in from_file.items()}
         for backend, values in options.items():
             merged.setdefault(backend, {}).update(values)
         put("backend_options", merged)

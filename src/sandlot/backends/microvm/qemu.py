@@ -22,8 +22,10 @@ inside a network namespace whose firewall decides what the NAT may reach.
 
 It also decides the accelerator: KVM only when a real probe boot under KVM prints the guest's
 probe marker in time (a host whose KVM cannot run stock kernels, such as a PVM host, hangs the
-guest instead of failing), else TCG. The probe's answer is cached per host. This module must not
-import the store.
+guest instead of failing), else TCG. The probe's answer is cached per host.
+``$SANDLOT_MICROVM_ACCEL`` forces one; forcing KVM where the probe says it cannot run a guest
+is refused before a VM starts, and any other value is refused too. This module must not import
+the store.
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ from typing import Final, Literal
 import anyio
 
 from sandlot import config
+from sandlot.backends.base import DoctorCheck
 from sandlot.backends.microvm.image import AGENT_PORT_NAME, PROBE_MARKER, ImagePaths
-from sandlot.errors import BackendError, BackendUnavailable
+from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest, SandboxError
 
 __all__ = [
+    "ACCEL_ENV",
     "AGENT_PORT_ID",
     "AGENT_SOCKET",
     "PROXY_ADDRESS",
@@ -60,7 +64,9 @@ __all__ = [
     "SERIAL_LOG",
     "AccelDecision",
     "MachineConfig",
+    "accel_check",
     "decide_accel",
+    "forced_accel",
     "is_running",
     "kill_vm",
     "launch",
@@ -453,28 +459,91 @@ def _probe_kvm(image: ImagePaths) -> tuple[bool, str]:
     return False, f"a probe boot under KVM failed: {tail}"
 
 
+ACCEL_ENV: Final = "SANDLOT_MICROVM_ACCEL"
+"""The environment variable that forces an accelerator (``kvm`` or ``tcg``) over the probe."""
+_TCG_FALLBACK: Final = "; using TCG emulation"
+
+
+def forced_accel() -> Accel | None:
+    """The accelerator ``$SANDLOT_MICROVM_ACCEL`` forces, or None when it is unset or empty.
+
+    Raises:
+        InvalidRequest: It is set to something other than ``kvm`` or ``tcg`` (a typo would
+            otherwise quietly mean "probe").
+    """
+    raw = os.environ.get(ACCEL_ENV, "").strip()
+    if not raw:
+        return None
+    value = raw.lower()
+    if value == "kvm":
+        return "kvm"
+    if value == "tcg":
+        return "tcg"
+    msg = f"{ACCEL_ENV} must be kvm or tcg (or unset, to let sandlot probe), got {raw!r}"
+    raise InvalidRequest(msg)
+
+
+def _kvm_works(image: ImagePaths, cache_dir: Path | None) -> tuple[bool, str, bool]:
+    """Whether KVM runs a guest here, why, and whether the answer came from the cache (the
+    probe runs once per host boot, QEMU binary and image)."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "/dev/kvm is absent or not accessible", False
+    cache = (cache_dir or config.cache_dir()) / "microvm" / "kvm-probe.json"
+    key = _probe_key(image)
+    with contextlib.suppress(OSError, ValueError, KeyError, AttributeError):
+        cached = json.loads(cache.read_text())
+        if cached["key"] == key and cached["mode"] in ("kvm", "tcg"):
+            return cached["mode"] == "kvm", cached["reason"].removesuffix(_TCG_FALLBACK), True
+    ok, why = _probe_kvm(image)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    # The cached reason keeps the form it had before the forced case existed, so caches written
+    # by earlier versions stay valid.
+    reason = why if ok else why + _TCG_FALLBACK
+    tmp.write_text(json.dumps({"key": key, "mode": "kvm" if ok else "tcg", "reason": reason}))
+    tmp.replace(cache)
+    return ok, why, False
+
+
 def decide_accel(image: ImagePaths, cache_dir: Path | None = None) -> AccelDecision:
     """KVM when a real probe boot works, else TCG; the probe runs once per host boot and image.
 
-    ``$SANDLOT_MICROVM_ACCEL`` (``kvm`` or ``tcg``) overrides the probe.
+    ``$SANDLOT_MICROVM_ACCEL`` (``kvm`` or ``tcg``) overrides the choice. Forcing ``kvm``
+    still consults the probe: on a host whose KVM cannot run a guest (a PVM host) every VM
+    would die or hang at boot, so that is refused here, before any VM is started.
+
+    Raises:
+        InvalidRequest: ``$SANDLOT_MICROVM_ACCEL`` is neither ``kvm`` nor ``tcg``.
+        BackendUnavailable: It is ``kvm`` and KVM cannot run a guest on this host.
     """
-    forced = os.environ.get("SANDLOT_MICROVM_ACCEL", "").strip().lower()
-    if forced in ("kvm", "tcg"):
-        return AccelDecision(forced, "set by SANDLOT_MICROVM_ACCEL")  # type: ignore[arg-type]
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return AccelDecision("tcg", "/dev/kvm is absent or not accessible; using TCG emulation")
-    cache = (cache_dir or config.cache_dir()) / "microvm" / "kvm-probe.json"
-    key = _probe_key(image)
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        cached = json.loads(cache.read_text())
-        if cached["key"] == key and cached["mode"] in ("kvm", "tcg"):
-            return AccelDecision(cached["mode"], cached["reason"] + " (cached)")
-    ok, why = _probe_kvm(image)
-    decision = (
-        AccelDecision("kvm", why) if ok else AccelDecision("tcg", why + "; using TCG emulation")
-    )
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "mode": decision.mode, "reason": decision.reason}))
-    tmp.replace(cache)
-    return decision
+    forced = forced_accel()
+    if forced == "tcg":
+        return AccelDecision("tcg", f"set by {ACCEL_ENV}")
+    ok, why, cached = _kvm_works(image, cache_dir)
+    seen = " (cached)" if cached else ""
+    if forced == "kvm":
+        if not ok:
+            msg = (
+                f"{ACCEL_ENV}=kvm, but KVM cannot run a guest on this host ({why}); "
+                "unset it to let sandlot use TCG, or set it to tcg"
+            )
+            raise BackendUnavailable(msg)
+        return AccelDecision("kvm", f"set by {ACCEL_ENV}; {why}{seen}")
+    if ok:
+        return AccelDecision("kvm", why + seen)
+    return AccelDecision("tcg", why + _TCG_FALLBACK + seen)
+
+
+def accel_check(image: ImagePaths, cache_dir: Path | None = None) -> DoctorCheck:
+    """What ``sandlot doctor`` says of the accelerator: the one VMs will use and why, or a
+    failed check when ``$SANDLOT_MICROVM_ACCEL`` asks for one that cannot work."""
+    try:
+        decision = decide_accel(image, cache_dir)
+    except SandboxError as e:
+        return DoctorCheck(
+            "accelerator",
+            False,
+            e.message,
+            f"unset {ACCEL_ENV} to let sandlot choose, or set it to tcg",
+        )
+    return DoctorCheck(f"accelerator: {decision.mode}", True, decision.reason)
