@@ -169,6 +169,12 @@ class _ReceiptWriter:
                 return
 
 
+def _held(request: PolicyRequest, decision: Decision) -> str:
+    """``exec held for approval by hold-git-push``: what a HOLD's denial message starts with."""
+    by = f" by {', '.join(decision.matched)}" if decision.matched else ""
+    return f"{request.action} held for approval{by}"
+
+
 def _summary(request: PolicyRequest) -> str:
     ctx = request.context
     for key in ("raw", "path", "port", "snapshot_id"):
@@ -356,7 +362,7 @@ class Gate:
                 delay = min(delay * 1.5, 0.5)
                 answer = await self._answer_receipt(hold)
                 if answer is not None:
-                    return self._accept(answer, decision)
+                    return self._accept(answer, request, decision, approval_id)
         except anyio.get_cancelled_exc_class():
             # The caller went away (cancelled): nobody would run an approval given now, so
             # the request is closed as expired rather than left pending.
@@ -370,10 +376,12 @@ class Gate:
         except Conflict:
             answer = await self._answer_receipt(hold)
             assert answer is not None
-            return self._accept(answer, decision)
+            return self._accept(answer, request, decision, approval_id)
         self._deny(
             PolicyDenied(
-                f"no answer to the approval request within {self.hold_timeout:g}s ({question})",
+                f"{_held(request, decision)} got no answer within {self.hold_timeout:g}s "
+                f"({question}); to run it, ask again and have it approved in time "
+                "(sandlot approvals approve ID)",
                 reason_code="HOLD_TIMEOUT",
                 receipt_id=timeout.entry_hash,
             )
@@ -394,12 +402,15 @@ class Gate:
         await self._settle_row(approval_id, "expired", "system:gate", denial.seq)
         return denial
 
-    def _accept(self, answer: Receipt, decision: Decision) -> Receipt:
+    def _accept(
+        self, answer: Receipt, request: PolicyRequest, decision: Decision, approval_id: str
+    ) -> Receipt:
         if answer.decision is ReceiptDecision.ALLOW:
             return answer
         self._deny(
             PolicyDenied(
-                f"the approval request was denied by {answer.body.get('principal')}",
+                f"{_held(request, decision)} was refused by {answer.body.get('principal')} "
+                f"(approval {approval_id})",
                 reason_code=answer.reason_code or "HOLD_DENIED",
                 receipt_id=answer.entry_hash,
             )

@@ -33,6 +33,7 @@ import fnmatch
 import hashlib
 import importlib.resources
 import json
+import re
 import time
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +68,8 @@ DEFAULT_RULES: Final = (
 """The builtin twin of ``default.cedar``."""
 
 _LIST_OPS: Final = ("any", "all", "none", "empty")
+# A TOML array-of-tables header for one rule (what a rule's line number points at).
+_RULE_HEADER: Final = re.compile(r"\s*\[\[\s*rule\s*\]\]")
 _PRINCIPAL_ATTRS: Final = frozenset({"id", "tenant", "kind", "roles"})
 _RESOURCE_ATTRS: Final = frozenset({"sandbox_id", "tenant", "backend", "owner", "workdir"})
 
@@ -260,7 +263,13 @@ class BuiltinEngine:
     """Decides with rules from a TOML/JSON document; no third-party dependency."""
 
     def __init__(
-        self, document: Mapping[str, object], *, on_error: OnError = "deny", source: str = ""
+        self,
+        document: Mapping[str, object],
+        *,
+        on_error: OnError = "deny",
+        source: str = "",
+        name: str = "<rules>",
+        rule_lines: Sequence[int] = (),
     ) -> None:
         """Compile a rules document.
 
@@ -268,27 +277,46 @@ class BuiltinEngine:
             document: The parsed TOML/JSON (``default`` and ``rule``).
             on_error: ``"deny"`` (fail closed) or ``"allow"`` (fail open, visibly).
             source: The document's text, hashed into :attr:`policy_hash`.
+            name: What errors and denial messages call the document (its path).
+            rule_lines: The line each rule starts on, in order (when known).
 
         Raises:
-            InvalidRequest: a malformed rule, or a condition on an attribute its actions lack.
+            InvalidRequest: a malformed rule, or a condition on an attribute its actions lack;
+                the message starts with ``path:line:`` of the rule.
         """
         default = document.get("default", "deny")
         if default not in ("deny", "allow"):
-            msg = 'builtin rules: default must be "deny" or "allow"'
+            msg = f'{name}: builtin rules: default must be "deny" or "allow"'
             raise InvalidRequest(msg)
         unknown = set(document) - {"default", "rule", "version"}
         if unknown:
-            msg = f"builtin rules: unknown keys {', '.join(sorted(unknown))}"
+            msg = f"{name}: builtin rules: unknown keys {', '.join(sorted(unknown))}"
             raise InvalidRequest(msg)
         raw_rules = document.get("rule", [])
         if not isinstance(raw_rules, list):
-            msg = "builtin rules: rule must be an array of tables"
+            msg = f"{name}: builtin rules: rule must be an array of tables"
             raise InvalidRequest(msg)
-        self._rules = [_compile(r, i) for i, r in enumerate(raw_rules)]
-        ids = [r.id for r in self._rules]
-        if len(set(ids)) != len(ids):
-            msg = "builtin rules: two rules share an id"
-            raise InvalidRequest(msg)
+
+        if len(rule_lines) != len(raw_rules):
+            rule_lines = ()  # a header inside a string, or inline tables: no trustworthy lines
+
+        def where(index: int) -> str:
+            return f"{name}:{rule_lines[index]}" if index < len(rule_lines) else name
+
+        self._rules: list[_Rule] = []
+        origins: dict[str, str] = {}
+        for i, raw in enumerate(raw_rules):
+            try:
+                rule = _compile(raw, i)
+            except InvalidRequest as e:
+                msg = f"{where(i)}: {e.message}"
+                raise InvalidRequest(msg) from None
+            if rule.id in origins:
+                msg = f"{where(i)}: builtin rules: two rules share the id {rule.id!r} (the first is at {origins[rule.id]})"
+                raise InvalidRequest(msg)
+            origins[rule.id] = where(i)
+            self._rules.append(rule)
+        self._where = origins
         self._default_allow = default == "allow"
         self._on_error: OnError = on_error
         text = source or json.dumps(document, sort_keys=True, default=str)
@@ -300,9 +328,14 @@ class BuiltinEngine:
 
     @classmethod
     def from_text(
-        cls, text: str, *, format: str = "toml", on_error: OnError = "deny"
+        cls,
+        text: str,
+        *,
+        format: str = "toml",
+        on_error: OnError = "deny",
+        name: str = "<rules>",
     ) -> BuiltinEngine:
-        """Parse rules from TOML (default) or JSON text.
+        """Parse rules from TOML (default) or JSON text (``name``: its path, for messages).
 
         Raises:
             InvalidRequest: the text does not parse or the rules are invalid.
@@ -310,12 +343,18 @@ class BuiltinEngine:
         try:
             document = json.loads(text) if format == "json" else tomllib.loads(text)
         except (ValueError, tomllib.TOMLDecodeError) as e:
-            msg = f"builtin rules do not parse: {e}"
+            # Both parsers say the line and column themselves ("... (at line 3, column 7)").
+            msg = f"{name}: builtin rules do not parse: {e}"
             raise InvalidRequest(msg) from None
         if not isinstance(document, dict):
-            msg = "builtin rules must be a table"
+            msg = f"{name}: builtin rules must be a table"
             raise InvalidRequest(msg)
-        return cls(document, on_error=on_error, source=text)
+        lines = (
+            [i for i, line in enumerate(text.splitlines(), 1) if _RULE_HEADER.match(line)]
+            if format != "json"
+            else []
+        )
+        return cls(document, on_error=on_error, source=text, name=name, rule_lines=lines)
 
     @classmethod
     def from_file(cls, path: str | Path, *, on_error: OnError = "deny") -> BuiltinEngine:
@@ -325,14 +364,17 @@ class BuiltinEngine:
             InvalidRequest: the file cannot be read or the rules are invalid.
         """
         if str(path) == "default":
-            return cls.from_text(DEFAULT_RULES, on_error=on_error)
+            return cls.from_text(DEFAULT_RULES, on_error=on_error, name="builtin_default.toml")
         try:
             text = Path(path).read_text("utf-8")
         except OSError as e:
             msg = f"cannot read rules file {path}: {e.strerror}"
             raise InvalidRequest(msg) from None
         return cls.from_text(
-            text, format="json" if str(path).endswith(".json") else "toml", on_error=on_error
+            text,
+            format="json" if str(path).endswith(".json") else "toml",
+            on_error=on_error,
+            name=str(path),
         )
 
     @property
@@ -480,5 +522,7 @@ class BuiltinEngine:
             started_ns=started,
             reasons=self._reasons,
             questions=self._questions,
+            where=self._where,
+            permits=tuple(r.id for r in rules if r.effect != "forbid"),
         )
         return decision, units, traces

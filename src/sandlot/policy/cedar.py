@@ -53,6 +53,14 @@ import cedarpy
 from pydantic import JsonValue
 
 from sandlot.errors import InvalidRequest
+from sandlot.policy.cedar_source import (
+    PolicyFile,
+    SourceMap,
+    policy_label,
+    schema_error,
+    statement_of,
+    validation_error,
+)
 from sandlot.policy.engine import (
     Decision,
     Explanation,
@@ -69,7 +77,7 @@ from sandlot.policy.engine import (
 from sandlot.policy.request import ACTIONS, ContextKind, PolicyRequest, Principal, Resource
 from sandlot.policy.schema import CONTEXT_TYPES, context_fields, render_schema
 
-__all__ = ["DEFAULT_POLICY", "SCHEMA", "CedarEngine"]
+__all__ = ["DEFAULT_POLICY", "SCHEMA", "CedarEngine", "PolicyFile"]
 
 SCHEMA: Final = render_schema()
 """The Cedar schema of sandlot's requests (rendered from :mod:`sandlot.policy.schema`)."""
@@ -166,9 +174,10 @@ class CedarEngine:
 
     def __init__(
         self,
-        policies: str,
+        policies: str | Sequence[PolicyFile],
         *,
         schema: str | None = None,
+        schema_name: str = "<schema>",
         on_error: OnError = "deny",
         validate: bool = True,
         max_units: int = 1000,
@@ -178,10 +187,12 @@ class CedarEngine:
         """Parse and check a policy set.
 
         Args:
-            policies: Cedar policy text.
+            policies: Cedar policy text, or policy files (joined in order with newlines).
+                Errors name the file, line and column (``<policies>`` for plain text).
             schema: Cedar schema text; default is sandlot's (:data:`SCHEMA`). A custom schema
                 must describe the same requests (it may add constraints); with one, every
                 context attribute is sent.
+            schema_name: What errors in ``schema`` call it (its path).
             on_error: ``"deny"`` (fail closed) or ``"allow"`` (fail open, visibly).
             validate: Check the policies against the schema at load (catches a misspelled
                 attribute before it turns into evaluation errors).
@@ -191,31 +202,34 @@ class CedarEngine:
 
         Raises:
             InvalidRequest: the policies or the schema do not parse, the policies do not
-                validate, two policies share an ``@id``, or a ``forbid`` carries ``@hold``.
+                validate, two policies share an ``@id``, or a ``forbid`` carries ``@hold``;
+                one line, ``path:line:column: what is wrong``, naming a policy by its ``@id``.
         """
+        files = [PolicyFile("<policies>", policies)] if isinstance(policies, str) else policies
+        source = SourceMap(files)
+        policies = source.text
         schema_text = SCHEMA if schema is None else schema
         try:
             full_schema = cedarpy.Schema.from_str(schema_text)
         except ValueError as e:
-            msg = f"the Cedar schema does not parse: {e}"
-            raise InvalidRequest(msg) from None
+            raise schema_error(schema_name, schema_text, str(e)) from None
         try:
             self._policies = cedarpy.PolicySet.from_str(policies)
             est = json.loads(cedarpy.policies_to_json_str(policies))
         except ValueError as e:
+            source.check_parses()
             msg = f"the Cedar policies do not parse: {e}"
             raise InvalidRequest(msg) from None
+        annotated = {
+            str(pid): str(p["annotations"]["id"])
+            for pid, p in {**est.get("templates", {}), **est.get("staticPolicies", {})}.items()
+            if "id" in (p.get("annotations") or {})
+        }
         if validate:
             result = cedarpy.validate_policies(policies, full_schema)
             if not result.validation_passed:
-                names = result.id_annotations_by_policy_id
-                problems = [
-                    f"{names.get(err.policy_id, err.policy_id)}: {err.error}"
-                    for err in result.errors
-                ]
-                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-                msg = f"the Cedar policies do not validate against the schema: {'; '.join(problems[:5])}{more}"
-                raise InvalidRequest(msg)
+                errors = [(err.policy_id, err.error) for err in result.errors]
+                raise validation_error(source, errors, annotated)
         read: set[str] = set()
         whole_context = _context_attrs(est, read)
         self._keep: dict[ContextKind, list[str]] | None = None
@@ -224,17 +238,23 @@ class CedarEngine:
             self._keep = {kind: context_fields(kind, read) for kind in CONTEXT_TYPES}
             self._schema = cedarpy.Schema.from_str(render_schema(read, comments=False))
         self._meta: dict[str, _PolicyMeta] = {}
-        seen: set[str] = set()
+        self._where: dict[str, str] = {}
+        seen: dict[str, str] = {}
         for pid, policy in est.get("staticPolicies", {}).items():
             annotations = {str(k): str(v) for k, v in (policy.get("annotations") or {}).items()}
             display = annotations.get("id") or pid
+            stmt = statement_of(source, pid)
+            here = source.where(stmt.start) if stmt is not None else display
             if display in seen:
-                msg = f"two Cedar policies share @id({display!r})"
+                msg = f'{here}: two Cedar policies share @id("{display}") (the first is at {seen[display]})'
                 raise InvalidRequest(msg)
-            seen.add(display)
+            seen[display] = here
+            if stmt is not None:
+                self._where[display] = source.where(stmt.start, column=False)
             effect = str(policy.get("effect", ""))
             if "hold" in annotations and effect != "permit":
-                msg = f"@hold is only meaningful on a permit ({display} is a {effect})"
+                label = policy_label(source, pid, annotated)
+                msg = f"{here}: @hold is only meaningful on a permit ({label} is a {effect})"
                 raise InvalidRequest(msg)
             self._meta[pid] = _PolicyMeta(display, effect, annotations, policy)
         # One policy set per action, holding only the policies whose action scope can match
@@ -242,6 +262,7 @@ class CedarEngine:
         # be satisfied nor raise an error: the answers are exactly those of the whole set, and
         # Cedar evaluates fewer policies per request.
         self._slices: dict[str, cedarpy.PolicySet] = {}
+        self._permits: dict[str, tuple[str, ...]] = {}
         templates = est.get("templates") or {}
         for action in ACTIONS:
             subset = {
@@ -260,6 +281,9 @@ class CedarEngine:
             else:
                 doc = {"staticPolicies": subset, "templates": {}, "templateLinks": []}
                 self._slices[action] = cedarpy.PolicySet.from_json_str(json.dumps(doc))
+            self._permits[action] = tuple(
+                self._meta[pid].display for pid in subset if self._meta[pid].effect == "permit"
+            )
         self._order = {pid: i for i, pid in enumerate(self._meta)}
         self._unit_memo: dict[tuple[str, tuple[str, ...]], _UnitResult] = {}
         self._hold = frozenset(pid for pid, m in self._meta.items() if "hold" in m.annotations)
@@ -293,15 +317,16 @@ class CedarEngine:
         """Load policy files, concatenated in order; the name ``"default"`` is the shipped policy.
 
         Raises:
-            InvalidRequest: a file cannot be read, or the policies are invalid.
+            InvalidRequest: a file cannot be read, or the policies are invalid (naming the
+                file, line and column).
         """
-        texts: list[str] = []
+        files: list[PolicyFile] = []
         for p in paths:
             if str(p) == "default":
-                texts.append(DEFAULT_POLICY)
+                files.append(PolicyFile("default.cedar", DEFAULT_POLICY))
                 continue
             try:
-                texts.append(Path(p).read_text("utf-8"))
+                files.append(PolicyFile(str(p), Path(p).read_text("utf-8")))
             except OSError as e:
                 msg = f"cannot read policy file {p}: {e.strerror}"
                 raise InvalidRequest(msg) from None
@@ -312,7 +337,13 @@ class CedarEngine:
             except OSError as e:
                 msg = f"cannot read schema file {schema_path}: {e.strerror}"
                 raise InvalidRequest(msg) from None
-        return cls("\n".join(texts), schema=schema, on_error=on_error, validate=validate)
+        return cls(
+            files,
+            schema=schema,
+            schema_name=str(schema_path),
+            on_error=on_error,
+            validate=validate,
+        )
 
     @property
     def name(self) -> str:
@@ -504,6 +535,15 @@ class CedarEngine:
             return memo
         return self._unit_result_uncached(result, errors)
 
+    def _named(self, errors: Sequence[str]) -> tuple[str, ...]:
+        """Errors with Cedar's positional policy ids replaced by the policies' ``@id``."""
+
+        def name(m: re.Match[str]) -> str:
+            meta = self._meta.get(m.group(1))
+            return f"policy `{meta.display}`" if meta is not None else m.group(0)
+
+        return tuple(_POLICY_IN_ERROR.sub(name, e) for e in errors)
+
     def _unit_result_uncached(
         self, result: cedarpy.AuthzResult, errors: tuple[str, ...]
     ) -> _UnitResult:
@@ -525,7 +565,7 @@ class CedarEngine:
             decision=decision,
             reasons=reasons,
             holds=holds,
-            errors=errors,
+            errors=self._named(errors),
             errored=self._names(
                 [m.group(1) for e in errors for m in [_POLICY_IN_ERROR.search(e)] if m]
             ),
@@ -554,6 +594,8 @@ class CedarEngine:
             started_ns=started,
             reasons=self._reasons,
             questions=self._questions,
+            where=self._where,
+            permits=self._permits.get(request.action, ()),
         )
 
     def _single(self, pid: str) -> cedarpy.PolicySet:
@@ -591,7 +633,7 @@ class CedarEngine:
             policies: list[PolicyTrace] = []
             for pid, meta in self._meta.items():
                 alone = per_policy[pid][i]
-                error = "; ".join(alone.diagnostics.errors) or None
+                error = "; ".join(self._named(alone.diagnostics.errors)) or None
                 fired = cedarpy.Decision.Allow if meta.effect == "permit" else cedarpy.Decision.Deny
                 policies.append(
                     PolicyTrace(

@@ -32,6 +32,7 @@ from sandlot.errors import PolicyDenied
 from sandlot.policy.request import ContextKind, PolicyRequest
 
 __all__ = [
+    "HELP",
     "Decision",
     "Explanation",
     "OnError",
@@ -378,6 +379,24 @@ class UnitVerdict:
     """True when the errors say the request did not fit the schema."""
 
 
+HELP: Final = "docs/policies/README.md"
+"""Where a denial message sends its reader for how to write a permit."""
+
+
+def _subject(request: PolicyRequest, label: str) -> str:
+    """What a message says was decided: the path of a file action, else the unit's label."""
+    path = request.context.get("path")
+    if request.info.kind in (ContextKind.PATH, ContextKind.CHMOD) and isinstance(path, str):
+        return path
+    return "" if label == "request" else label
+
+
+def _some(items: list[str], most: int = 3) -> str:
+    """``a, b, c and 2 more``."""
+    shown = ", ".join(items[:most])
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
 def combine_units(
     request: PolicyRequest,
     verdicts: list[UnitVerdict],
@@ -388,6 +407,8 @@ def combine_units(
     started_ns: int,
     reasons: Mapping[str, str],
     questions: Mapping[str, str],
+    where: Mapping[str, str] | None = None,
+    permits: tuple[str, ...] = (),
 ) -> Decision:
     """Turn unit verdicts into the request's decision.
 
@@ -395,21 +416,29 @@ def combine_units(
     (DENY ``NO_MATCHING_PERMIT``) — both are definite whatever erroring policies would have
     said — then errors (DENY, or fail-open ALLOW), then holds (HOLD), then ALLOW.
 
+    Every denial message names what decided it and what would allow it: a forbid by its id,
+    its ``@reason`` and where it is written (no permit overrides a forbid, so the forbid is
+    what must change); "no permit matched" by the permits that could have matched this action,
+    with their ``@reason``, since adding or widening a permit is what allows it.
+
     Args:
         request: The request (for messages).
         verdicts: One per unit.
         engine: Engine name. policy_hash: Its policy hash. on_error: Its error mode.
         started_ns: ``perf_counter_ns()`` when deciding started.
-        reasons: Policy id -> human reason (``@reason``), for messages.
+        reasons: Policy id -> human reason (``@reason``; on a permit: what it lets through).
         questions: Policy id -> approval question (``@hold``).
+        where: Policy id -> where it is written (``path:line``), for messages.
+        permits: The ids of the permits (and hold permits) whose scope includes the action.
     """
+    where = where or {}
     forbids: list[str] = []
     forbid_unit = no_permit_unit = ""
     errors: list[str] = []
     errored: list[str] = []
     schema_problem = False
     holds: list[str] = []
-    permits: list[str] = []
+    granted: list[str] = []
     for v in verdicts:
         if v.errors or v.decision == "NoDecision":
             errors.extend(f"{v.label}: {e}" for e in v.errors or ("no decision",))
@@ -422,28 +451,42 @@ def combine_units(
             elif not v.errors:
                 no_permit_unit = no_permit_unit or v.label
         elif v.decision == "Allow" and not v.errors:
-            permits.extend(v.reasons)
+            granted.extend(v.reasons)
             holds.extend(v.holds)
     duration = time.perf_counter_ns() - started_ns
+    action = request.action
     if forbids:
         names = tuple(dict.fromkeys(forbids))
         why = "; ".join(filter(None, (reasons.get(n) for n in names)))
+        subject = _subject(request, forbid_unit)
+        places = ", ".join(where[n] for n in names if n in where)
+        that = "that forbid" if len(names) == 1 else "those forbids"
         return Decision(
             outcome=Outcome.DENY,
             reason_code=ReasonCode.POLICY_VIOLATION,
             matched=names,
-            message=f"{request.action} denied by {', '.join(names)} ({forbid_unit})"
-            + (f": {why}" if why else ""),
+            message=f"{action} denied by {', '.join(names)}"
+            + (f" ({subject})" if subject else "")
+            + (f": {why}" if why else "")
+            + f"; no permit overrides a forbid: to allow it, change or remove {that}"
+            + (f" at {places}" if places else ""),
             errors=tuple(errors),
             engine=engine,
             policy_hash=policy_hash,
             duration_ns=duration,
         )
     if no_permit_unit:
+        subject = _subject(request, no_permit_unit) or "it"
+        if permits:
+            known = [f"{p} ({reasons[p]})" if p in reasons else p for p in permits]
+            which = f"{action} is permitted only by {_some(known)}"
+        else:
+            which = f"no policy permits {action} at all"
         return Decision(
             outcome=Outcome.DENY,
             reason_code=ReasonCode.NO_MATCHING_PERMIT,
-            message=f"{request.action} denied: no policy permits it ({no_permit_unit})",
+            message=f"{action} denied: no permit matches {subject}; {which}: "
+            f"add a permit to allow it (see {HELP})",
             errors=tuple(errors),
             engine=engine,
             policy_hash=policy_hash,
@@ -451,20 +494,24 @@ def combine_units(
         )
     if errors:
         code = ReasonCode.SCHEMA_VIOLATION if schema_problem else ReasonCode.POLICY_ERROR
-        what = (
-            "the request does not fit the schema"
-            if schema_problem
-            else "a policy failed to evaluate"
-        )
+        failed = tuple(dict.fromkeys(errored))
+        if schema_problem:
+            what = "the request does not fit the schema"
+        elif failed:
+            located = [f"{n} at {where[n]}" if n in where else n for n in failed]
+            fix = "it" if len(failed) == 1 else "them"
+            what = f"{_some(located)} failed to evaluate (fix {fix})"
+        else:
+            what = "a policy failed to evaluate"
         return error_decision(
             engine=engine,
             policy_hash=policy_hash,
             code=code,
-            message=f"{request.action}: {what}",
+            message=f"{action}: {what}: {errors[0]}",
             errors=tuple(errors),
             on_error=on_error,
             started_ns=started_ns,
-            matched=tuple(dict.fromkeys(errored)),
+            matched=failed,
         )
     if holds:
         names = tuple(dict.fromkeys(holds))
@@ -473,7 +520,7 @@ def combine_units(
             outcome=Outcome.HOLD,
             reason_code=ReasonCode.HOLD_REQUIRED,
             matched=names,
-            message=f"{request.action} needs approval ({', '.join(names)}): {question}",
+            message=f"{action} needs approval ({', '.join(names)}): {question}",
             hold_reason=question,
             engine=engine,
             policy_hash=policy_hash,
@@ -482,8 +529,8 @@ def combine_units(
     return Decision(
         outcome=Outcome.ALLOW,
         reason_code=ReasonCode.OK,
-        matched=tuple(dict.fromkeys(permits)),
-        message=f"{request.action} allowed",
+        matched=tuple(dict.fromkeys(granted)),
+        message=f"{action} allowed",
         engine=engine,
         policy_hash=policy_hash,
         duration_ns=duration,

@@ -130,7 +130,7 @@ def test_json_rules() -> None:
         ),
         ("[[rule]]\neffect = 'permit'\ncolour = 1", "unknown keys"),
         ("default = 'maybe'", "default must be"),
-        ("[[rule]]\nid='a'\neffect='permit'\n[[rule]]\nid='a'\neffect='permit'", "share an id"),
+        ("[[rule]]\nid='a'\neffect='permit'\n[[rule]]\nid='a'\neffect='permit'", "share the id"),
         ("[[rule]\n", "do not parse"),
         (
             "[[rule]]\neffect = 'permit'\nactions = ['run']\nwhen = { flags_empty = 'yes' }",

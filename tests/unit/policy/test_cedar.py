@@ -160,10 +160,10 @@ def test_hold_permits_win_over_plain_permits_and_lose_to_forbids() -> None:
 @pytest.mark.parametrize(
     ("policy", "message"),
     [
-        ("permit (principal, action, resource", "do not parse"),
+        ("permit (principal, action, resource", "does not parse"),
         (
             'permit (principal, action, resource) when { context.progam == "rm" };',
-            "do not validate",
+            "does not validate",
         ),
         (
             '@id("x") permit (principal, action, resource);\n@id("x") permit (principal, action, resource);',
