@@ -545,9 +545,12 @@ class AsyncSandlot:
         return await self.manager.deny(approval_id, actor=self.actor)
 
     async def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
-        """Sync records with the backends and reap orphans."""
+        """Sync records with the backends; without ``ids`` also reap orphans and sweep
+        (:meth:`stop_expired`)."""
         return await self.manager.reconcile(ids)
 
-    async def stop_expired(self) -> builtins.list[str]:
-        """Stop sandboxes past their TTL or idle timeout; their ids."""
+    async def stop_expired(self) -> ReconcileReport:
+        """Stop sandboxes past their TTL or idle timeout and destroy failed creations kept
+        past their time for inspection; what was done (``expired``, ``discarded``) and what
+        could not be (``errors``)."""
         return await self.manager.stop_expired()
