@@ -984,6 +984,9 @@ def _path_context(args: Mapping[str, object], *, mode: bool) -> dict[str, JsonVa
         "path": normal,
         "within": _jl(ancestors(normal)),
         "recursive": bool(args.get("recursive", False)),
+        # The test a command's device_writes uses, so a rule on raw devices reads the same
+        # for `> /dev/sda` and for a file-API write of /dev/sda (and /dev/null is neither).
+        "device": _is_device(normal),
     }
     if mode:
         value = args.get("mode")

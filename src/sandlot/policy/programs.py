@@ -331,6 +331,39 @@ _WGET = ProgramSpec(
     write_flags=_names("output_document output_file append_output directory_prefix save_cookies"),
     path_flags=_names("input_file post_file body_file load_cookies"),
 )
+# sort and tree only read their operands, but `-o FILE` writes a file: without these tables a
+# read-only policy would let `sort -o /etc/passwd /dev/null` through as a command that reads.
+_SORT = ProgramSpec(
+    short=_short(
+        "o=output k=key t=field_separator S=buffer_size T=temporary_directory "
+        "b=ignore_leading_blanks d=dictionary_order f=ignore_case g=general_numeric_sort "
+        "i=ignore_nonprinting M=month_sort h=human_numeric_sort n=numeric_sort R=random_sort "
+        "r=reverse V=version_sort c=check C=check_quiet m=merge s=stable u=unique "
+        "z=zero_terminated"
+    ),
+    long=_long(
+        "output key field-separator buffer-size temporary-directory files0-from "
+        "compress-program batch-size parallel random-source sort ignore-leading-blanks "
+        "dictionary-order ignore-case general-numeric-sort ignore-nonprinting month-sort "
+        "human-numeric-sort numeric-sort random-sort reverse version-sort check merge stable "
+        "unique zero-terminated debug"
+    ),
+    short_args=frozenset("oktST"),
+    long_args=_names(
+        "output key field-separator buffer-size temporary-directory files0-from "
+        "compress-program batch-size parallel random-source sort"
+    ),
+    write_flags=_names("output"),
+    path_flags=_names("files0_from random_source temporary_directory"),
+)
+_TREE = ProgramSpec(
+    short=_short("o=output L=level P=pattern I=ignore H=html_base T=title"),
+    long=_long("charset filelimit timefmt sort gitfile infofile hintro houtro"),
+    short_args=frozenset("oLPIHT"),
+    long_args=_names("charset filelimit timefmt sort gitfile infofile hintro houtro"),
+    write_flags=_names("output"),
+    path_flags=_names("gitfile infofile hintro houtro"),
+)
 _DD = ProgramSpec(operands="none")
 """dd has no options, only ``key=value`` operands; the normalizer reads ``if=`` and ``of=``."""
 
@@ -367,6 +400,8 @@ PROGRAMS: Final[Mapping[str, ProgramSpec]] = {
     "sed": _SED,
     "curl": _CURL,
     "wget": _WGET,
+    "sort": _SORT,
+    "tree": _TREE,
 }
 """Programs with a flag table. ``mkfs.ext4``, ``mkfs.vfat``... use the ``mkfs`` entry."""
 

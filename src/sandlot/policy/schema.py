@@ -58,11 +58,13 @@ CONTEXT_TYPES: Final[Mapping[ContextKind, tuple[tuple[str, str, str], ...]]] = {
         ("path", "String", "absolute, normal"),
         ("within", "Set<String>", "the path and every directory above it"),
         ("recursive", "Bool", "recursive listing or removal"),
+        ("device", "Bool", "a device node, as in device_writes (not /dev/null, /dev/shm/...)"),
     ),
     ContextKind.CHMOD: (
         ("path", "String", "absolute, normal"),
         ("within", "Set<String>", "the path and every directory above it"),
         ("recursive", "Bool", "always false today"),
+        ("device", "Bool", "a device node, as in device_writes (not /dev/null, /dev/shm/...)"),
         ("mode", "Long", "the new mode bits (0o755 is 493)"),
     ),
     ContextKind.CREATE: (

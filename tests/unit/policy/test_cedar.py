@@ -246,7 +246,7 @@ def test_only_the_attributes_the_policies_read_are_sent() -> None:
         "glob_dirs",
         "device_writes",
     ]
-    assert engine.context_attributes(ContextKind.PATH) == ["within"]
+    assert engine.context_attributes(ContextKind.PATH) == ["path", "recursive", "device"]
     whole = CedarEngine(
         PERMIT_ALL
         + '\nforbid (principal, action == Action::"stop", resource) when { context == {} };'

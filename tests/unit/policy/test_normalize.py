@@ -157,6 +157,46 @@ def test_device_writes(command: str, program: str, device_writes: list[str]) -> 
     assert only(command, program)["device_writes"] == device_writes
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/dev/sda",
+        "/dev/nvme0n1p1",
+        "/dev/mapper/root",
+        "/dev/null",
+        "/dev/shm/x",
+        "/dev/fd/3",
+        "/dev/pts/0",
+        "/dev/urandom",
+        "/dev",
+        "/dev/shm",
+        "/workspace/dev/sda",
+        "/tmp/x",
+    ],
+)
+def test_a_file_action_is_a_device_write_exactly_when_a_redirection_to_it_is(path: str) -> None:
+    fs = normalize_operation("fs.write", principal=AGENT, resource=SANDBOX, args={"path": path})
+    (redirect,) = commands(f"> {path}")
+    assert fs.context["device"] is (redirect["device_writes"] == [path])
+
+
+@pytest.mark.parametrize(
+    ("command", "program", "writes"),
+    [
+        ("sort -o /etc/passwd /dev/null", "sort", ["/etc/passwd"]),
+        ("sort -uo out.txt in.txt", "sort", ["/workspace/out.txt"]),
+        ("sort --output=/tmp/s data", "sort", ["/tmp/s"]),
+        ("sort -k2 -t, data.csv", "sort", []),
+        ("tree -o /tmp/tree.txt .", "tree", ["/tmp/tree.txt"]),
+        ("tree -L 2 -P '*.py'", "tree", []),
+    ],
+)
+def test_output_options_of_sort_and_tree_are_writes(
+    command: str, program: str, writes: list[str]
+) -> None:
+    assert only(command, program, cwd="/workspace")["writes"] == writes
+
+
 def test_redirection_only_command_is_visible() -> None:
     (c,) = commands("> /dev/sda")
     assert c["program"] == ""
@@ -303,6 +343,7 @@ def test_fs_operations_normalize_paths_and_list_ancestors() -> None:
         "path": "/workspace/a/c",
         "within": ["/", "/workspace", "/workspace/a", "/workspace/a/c"],
         "recursive": False,
+        "device": False,
     }
     with pytest.raises(InvalidRequest):
         normalize_operation("fs.read", principal=AGENT, resource=SANDBOX, args={"path": "relative"})
