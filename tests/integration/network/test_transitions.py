@@ -58,7 +58,7 @@ SEEN = (
 # Runs inside: what the sandbox can reach. ``names`` fetches names through whatever proxy the
 # environment names (only asked for where the sandbox must not resolve names itself).
 PROBE = r"""
-import json, socket, sys, urllib.error, urllib.request
+import json, socket, sys, time, urllib.error, urllib.request
 
 def fetch(url, proxies=None):
     handlers = [] if proxies is None else [urllib.request.ProxyHandler(proxies)]
@@ -89,11 +89,12 @@ def udp_dns(addr):
         return "error: %s" % e
 
 def lookup(name):
+    t0 = time.monotonic()
     try:
         socket.getaddrinfo(name, 80)
         return "resolved"
     except OSError as e:
-        return "error: %s" % e
+        return "error: %s (%.2f s)" % (e, time.monotonic() - t0)
 
 out = {
     "ifaces": sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]),
@@ -483,3 +484,82 @@ def test_rootless_switches_between_deny_all_and_allow_all(fakenet: Any) -> None:
         assert "unreachable" in seen["tcp"].lower(), seen
         assert seen["udp"] != "answered", seen
     assert "rootless" in got["allowlist"], got["allowlist"]
+
+
+# ----------------------------------------------------------------------------- microVMs
+
+# The guest image and state directory come from the microVM suite's fixtures.
+_mv_spec = importlib.util.spec_from_file_location(
+    "sandlot_tests_microvm", Path(__file__).parents[1] / "microvm" / "conftest.py"
+)
+assert _mv_spec is not None
+assert _mv_spec.loader is not None
+_microvm = importlib.util.module_from_spec(_mv_spec)
+_mv_spec.loader.exec_module(_microvm)
+microvm_image = _microvm.microvm_image
+microvm_state = _microvm.microvm_state
+
+
+@pytest.mark.timeout(600)
+async def test_an_allow_all_microvm_takes_every_policy_and_back(
+    microvm_image: Any, microvm_state: Path, tmp_path: Path, fakenet: Any
+) -> None:
+    from sandlot.backends.microvm import MicrovmBackend
+
+    # A VM made with allow-all (NAT inside its own namespace) can take any policy: its NIC
+    # stays, the namespace around QEMU's NAT is re-prepared, and the proxy variables follow.
+    networks = SandboxNetworks(tmp_path / "network", nameserver=fakenet.nameserver)
+    vm = MicrovmBackend(microvm_state, image=microvm_image, networks=networks)
+    if "allow-all" not in vm.capabilities().network:
+        pytest.skip("allow-all microVMs need root with ip and nft")
+    steps = ["deny-all", "allowlist", "allow-all", "allowlist", "deny-all", "allow-all"]
+    try:
+        ref = await vm.create(new_id("sb"), SandboxSpec(network="allow-all"))
+        channel = await vm.channel(ref)
+        await channel.write_file("/tmp/probe.py", PROBE.encode())
+        for kind in ["allow-all", *steps]:
+            await vm.update_network(ref, POLICIES[kind])
+            seen = json.loads((await channel.exec(["python3", "-c", SEEN], timeout=120)).stdout)
+            argv = ["python3", "/tmp/probe.py", *(["names"] if kind == "allowlist" else [])]
+            result = await channel.exec(argv, timeout=120)
+            assert result.exit_code == 0, result.stderr
+            got = json.loads(result.stdout)
+            proxied = kind == "allowlist"
+            assert got["ifaces"] == ["eth0", "lo"], (kind, got)
+            # The guest keeps user-mode networking's resolver; it answers only under
+            # allow-all (it forwards from inside the namespace).
+            assert _nameservers(seen["resolv"]) == ["10.0.2.3"], (kind, seen)
+            if kind == "allow-all":
+                assert seen["env"] == dict.fromkeys(PROXY_VARS), (kind, seen)
+                assert got["direct"][0] == 200, (kind, got)
+                assert got["tcp"] == "open", (kind, got)
+                assert got["udp"] == "answered", (kind, got)
+                continue
+            assert got["direct"][0] == "error", (kind, got)
+            assert got["tcp"] != "open", (kind, got)
+            assert got["udp"] != "answered", (kind, got)
+            if proxied:
+                url = networks.get(ref).proxy_url
+                assert url is not None
+                assert seen["env"]["HTTPS_PROXY"] == seen["env"]["http_proxy"] == url, seen
+                assert got["allowed"][0] == 200, (kind, got)
+                assert got["denied"] == [403, "not_listed"], (kind, got)
+                assert got["lookup"].startswith("error"), (kind, got)
+            else:
+                assert seen["env"] == dict.fromkeys(PROXY_VARS), (kind, seen)
+        await channel.close()
+        # A stop and a start with the policy set last: it comes back with it.
+        await vm.update_network(ref, ALLOW_WWW)
+        await vm.stop(ref)
+        await vm.start(ref, SandboxSpec(network=ALLOW_WWW))
+        channel = await vm.channel(ref)
+        result = await channel.exec(["python3", "/tmp/probe.py", "names"], timeout=120)
+        got = json.loads(result.stdout)
+        assert got["allowed"][0] == 200, got
+        assert got["tcp"] != "open", got
+        await channel.close()
+    finally:
+        for r in (await vm.list_owned()).values():
+            await vm.destroy(r)
+        await vm.aclose()
+        networks._stop_daemon()

@@ -435,6 +435,10 @@ class LocalBackend:
     def capabilities(self) -> Capabilities:
         """What this backend enforces (network kinds depend on the network service).
 
+        The network kinds are also those :meth:`update_network` switches a running crun
+        sandbox between, either way. gVisor sandboxes are ``deny-all`` only, at ``create`` and
+        at run time alike (``Capabilities`` has no per-isolation field; the refusal says why).
+
         Without root: no resource limit (no delegated cgroups), ``deny-all`` always and
         ``allow-all`` when slirp4netns can run (no allowlist: see ``docs/network.md``), no
         ports; snapshots, forks and resets work.
