@@ -406,3 +406,34 @@ def test_forced_kvm_on_a_host_whose_kvm_cannot_run_a_guest_fails_fast() -> None:
     report = json.loads(doctor.stdout)
     assert report["backends"]["microvm"]["usable"] is False
     assert any(c["detail"] == expected.removeprefix("error: ") for c in report["checks"]["microvm"])
+
+
+# -- git options with nothing to clone ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--git-revision", "main"), "--git-revision needs"),
+        (("--git-depth", "1", "--git-revision", "v2"), "--git-revision and --git-depth need"),
+        (("--git-auth", "Bearer x"), "--git-auth needs"),
+    ],
+)
+def test_git_options_without_a_repository_are_refused(args: tuple[str, ...], message: str) -> None:
+    line = one_line(sandlot("create", *args))
+    assert (
+        line == f"error: {message} a repository to clone: add --git URL (or a --spec file with git)"
+    )
+
+
+def test_git_options_apply_to_the_spec_files_repository(tmp_path: Path) -> None:
+    # $SANDLOT_GIT_AUTH is ambient: a create that clones nothing does not trip over it.
+    assert sandlot("create", env={"SANDLOT_GIT_AUTH": "Bearer x"}).returncode == 0
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"git": {"url": "https://example.invalid/r.git"}}))
+    # The fake backend has no git: the create fails, and the kept record shows what was asked.
+    assert sandlot("create", "--spec", str(spec), "--git-revision", "dev").returncode == 1
+    listed = sandlot("list", "--status", "failed", "--json")
+    (failed,) = json.loads(listed.stdout)
+    assert failed["spec"]["git"]["url"] == "https://example.invalid/r.git"
+    assert failed["spec"]["git"]["revision"] == "dev"

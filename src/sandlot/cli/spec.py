@@ -9,6 +9,7 @@ naming the option; backend options are checked against what each backend declare
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated
@@ -216,16 +217,21 @@ def spec_from_options(v: dict[str, object]) -> SandboxSpec:
         if val is not None
     }
     put("resources", {**_dict(base.get("resources")), **resources} or None)
+    git_options = {
+        k: val
+        for k, val in (
+            ("revision", v.get("git_revision")),
+            ("depth", v.get("git_depth")),
+            ("auth", v.get("git_auth") or None),
+        )
+        if val is not None
+    }
     if v.get("git") is not None:
-        git = {
-            "url": v["git"],
-            "revision": v.get("git_revision"),
-            "depth": v.get("git_depth"),
-            "auth": v.get("git_auth"),
-        }
-        put("git", {k: val for k, val in git.items() if val is not None})
-    elif v.get("git_auth") and isinstance(base.get("git"), dict):
-        put("git", {**_dict(base.get("git")), "auth": v.get("git_auth")})
+        put("git", {"url": v["git"], **git_options})
+    elif isinstance(base.get("git"), dict):
+        put("git", {**_dict(base.get("git")), **git_options} if git_options else None)
+    else:
+        _refuse_git_options_without_a_repository(v)
     options = _backend_options(_list(v.get("option")))
     from_file = {k: _dict(val) for k, val in _dict(base.get("backend_options")).items()}
     try:
@@ -239,6 +245,23 @@ def spec_from_options(v: dict[str, object]) -> SandboxSpec:
             merged.setdefault(backend, {}).update(values)
         put("backend_options", merged)
     return parse_model(SandboxSpec, {**base, **fields})
+
+
+def _refuse_git_options_without_a_repository(v: dict[str, object]) -> None:
+    """``--git-revision``, ``--git-depth`` or ``--git-auth`` with nothing to clone would be
+    ignored; say so instead. ``$SANDLOT_GIT_AUTH`` alone is fine: it is set for every create."""
+    given = [
+        flag
+        for flag, name in (("--git-revision", "git_revision"), ("--git-depth", "git_depth"))
+        if v.get(name) is not None
+    ]
+    # The option reads $SANDLOT_GIT_AUTH too: the same value as there is the ambient one.
+    if v.get("git_auth") and v.get("git_auth") != os.environ.get("SANDLOT_GIT_AUTH"):
+        given.append("--git-auth")
+    if given:
+        needs = "needs" if len(given) == 1 else "need"
+        msg = f"{' and '.join(given)} {needs} a repository to clone: add --git URL (or a --spec file with git)"
+        raise InvalidRequest(msg)
 
 
 def _list(value: object) -> list[str]:
