@@ -30,7 +30,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar, final
@@ -96,10 +96,12 @@ if TYPE_CHECKING:
     from sandlot.policy import Explanation
     from sandlot.store.base import Store
 
-__all__ = ["Manager", "ReconcileReport", "command_argv"]
+__all__ = ["FileBody", "Manager", "ReconcileReport", "command_argv"]
 
 S = SandboxStatus
 T = TypeVar("T")
+FileBody = bytes | str | AsyncIterable[bytes]
+"""What a file write takes: its bytes, text (written as UTF-8), or chunks to stream."""
 _log = logging.getLogger("sandlot")
 RECENT = 1.0
 """Seconds a record this process just read or wrote may stand in for a read on the hot path
@@ -155,6 +157,8 @@ class _Outcome:
 
     def __init__(self) -> None:
         self.output: bytes | None = None
+        self.output_hash: str | None = None
+        """``sha256:`` of output that streamed past without being kept (else from ``output``)."""
         self.exit_code: int | None = None
         self.detail: dict[str, JsonValue] = {}
         self.lease: Lease | None = None
@@ -702,6 +706,7 @@ class Manager:
         await self.gate.complete(
             auth,
             output=outcome.output,
+            output_hash=outcome.output_hash,
             exit_code=outcome.exit_code,
             error=error,
             detail=outcome.detail or None,
@@ -1108,17 +1113,21 @@ class Manager:
     async def write_files(
         self,
         sandbox_id: str,
-        files: Mapping[str, bytes | str],
+        files: Mapping[str, FileBody],
         *,
         actor: Actor = LOCAL_ACTOR,
         mode: int | None = None,
         auto_resume: bool = True,
         idempotency_key: str | None = None,
+        digests: Mapping[str, str] | None = None,
     ) -> builtins.list[FileInfo]:
-        """Create or replace files (parents are made); strings are written as UTF-8.
+        """Create or replace files (parents are made); strings are written as UTF-8, and an
+        async iterable of chunks is streamed (never held whole in memory).
 
         Each file is decided by the policy on its own. With an ``idempotency_key`` a repeat
-        of the same call (same paths and contents) returns the first call's result.
+        of the same call (same paths and contents) returns the first call's result; a streamed
+        body counts by its ``digests`` entry (``sha256:…``, when the caller knows it) or else
+        as "a stream".
         """
         for path in files:
             _check_path(path)
@@ -1130,7 +1139,7 @@ class Manager:
         if idempotency_key is not None:
             request: dict[str, JsonValue] = {
                 "sandbox_id": sb.id,
-                "files": {p: "sha256:" + hashlib.sha256(b).hexdigest() for p, b in bodies.items()},
+                "files": {p: _body_identity(b, (digests or {}).get(p)) for p, b in bodies.items()},
                 "mode": mode,
             }
             begun = await self._begin_intent(actor, "fs.write", request, idempotency_key)
@@ -1142,12 +1151,27 @@ class Manager:
         (first, *rest) = bodies.items()
         infos: builtins.list[FileInfo] = []
 
-        async def write(path: str, body: bytes, outcome: _Outcome) -> None:
+        async def write(path: str, body: bytes | AsyncIterable[bytes], outcome: _Outcome) -> None:
             nonlocal sb
             sb = await self._ready(sandbox_id, actor, auto_resume, sb)
             channel = await self._channel(sb)
-            infos.append(await self._channel_call(sb, channel.write_file(path, body, mode=mode)))
-            outcome.output = body
+            if isinstance(body, bytes):
+                infos.append(
+                    await self._channel_call(sb, channel.write_file(path, body, mode=mode))
+                )
+                outcome.output = body
+                return
+            digest = hashlib.sha256()
+
+            async def hashed() -> AsyncIterator[bytes]:
+                async for chunk in body:
+                    digest.update(chunk)
+                    yield chunk
+
+            infos.append(
+                await self._channel_call(sb, channel.write_file(path, hashed(), mode=mode))
+            )
+            outcome.output_hash = "sha256:" + digest.hexdigest()
 
         # The first file's decision also authorizes the intent; the others are decided inside
         # its block, so a later denial fails the call as a whole (and its replays alike).
@@ -2597,6 +2621,13 @@ def _fresh(begun: Intent | _Replay | None) -> Intent | None:
     """The intent to run (a replay has returned before this is asked)."""
     assert not isinstance(begun, _Replay)
     return begun
+
+
+def _body_identity(body: bytes | AsyncIterable[bytes], digest: str | None) -> str:
+    """What an idempotency key remembers of a file's content."""
+    if isinstance(body, bytes):
+        return "sha256:" + hashlib.sha256(body).hexdigest()
+    return digest or "stream"
 
 
 def _stdin_identity(stdin: Stdin) -> JsonValue:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Self, final
+from typing import IO, TYPE_CHECKING, Self, final
 
 import anyio.to_thread
 
@@ -48,7 +48,7 @@ from sandlot.models import (
 )
 from sandlot.policy import Explanation, PolicyConfig, load_engine
 from sandlot.receipts import KeyStore, Receipt, ReceiptLog
-from sandlot.shared import build_spec, split_output
+from sandlot.shared import build_spec, file_body, split_output
 from sandlot.store.sql import SqlStore
 from sandlot.terminal import AsyncTerminal
 
@@ -192,14 +192,19 @@ class AsyncSandbox:
     async def write_file(
         self,
         path: str,
-        data: bytes | str,
+        data: bytes | str | IO[bytes] | AsyncIterable[bytes],
         *,
         mode: int | None = None,
         idempotency_key: str | None = None,
     ) -> FileInfo:
-        """Create or replace a file (strings are written as UTF-8; parents are made)."""
+        """Create or replace a file (parents are made). Text is written as UTF-8; a binary
+        file object or an async iterable of chunks is streamed, never held whole in memory."""
         (info,) = await self._manager.write_files(
-            self.id, {path: data}, actor=self._actor, mode=mode, idempotency_key=idempotency_key
+            self.id,
+            {path: file_body(data)},
+            actor=self._actor,
+            mode=mode,
+            idempotency_key=idempotency_key,
         )
         return info
 

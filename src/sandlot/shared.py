@@ -1,8 +1,9 @@
 """Pieces the in-process SDK and the HTTP client share, kept light (no database, no backends).
 
 ``build_spec`` turns what a caller passed into a validated spec, ``split_output`` feeds raw
-and per-stream text callbacks from output chunks, and ``EventLoopThread`` runs async twins
-for the sync facades.
+and per-stream text callbacks from output chunks, ``file_body`` turns what a file write was
+given into bytes or chunks to stream, and ``EventLoopThread`` runs async twins for the sync
+facades.
 """
 
 from __future__ import annotations
@@ -10,17 +11,83 @@ from __future__ import annotations
 import asyncio
 import codecs
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from typing import IO, TYPE_CHECKING, TypeVar
 
+import anyio.to_thread
+
+from sandlot.errors import InvalidRequest
 from sandlot.models import OutputChunk, SandboxSpec, parse_model
 
 if TYPE_CHECKING:
     from sandlot.channel.base import OutputCallback
 
-__all__ = ["EventLoopThread", "build_spec", "split_output"]
+__all__ = ["CHUNK", "EventLoopThread", "build_spec", "file_body", "split_output"]
 
 T = TypeVar("T")
+CHUNK = 1 << 20
+"""Bytes read from a file object at a time when streaming it into a sandbox."""
+
+
+def file_body(
+    data: bytes | str | IO[bytes] | Iterable[bytes] | AsyncIterable[bytes],
+) -> bytes | AsyncIterator[bytes]:
+    """What a file write sends: text as UTF-8 bytes, bytes as they are, and a binary file
+    object or an (async) iterable of chunks as a stream, read as it is sent (so a 1 GiB
+    upload never sits in memory)."""
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, bytes | bytearray | memoryview):
+        return bytes(data)
+    if hasattr(data, "read"):
+        return _read_chunks(data)  # type: ignore[arg-type]
+    if isinstance(data, AsyncIterable):
+        return _checked_chunks(data)
+    if isinstance(data, Iterable):
+        return _iter_chunks(data)
+    msg = f"cannot write a {type(data).__name__}: give bytes, text, a binary file or chunks"
+    raise InvalidRequest(msg)
+
+
+def _chunk(piece: object) -> bytes:
+    if isinstance(piece, bytes | bytearray | memoryview):
+        return bytes(piece)
+    msg = f"a file's chunks must be bytes, got {type(piece).__name__}" + (
+        " (open the file in binary mode, 'rb')" if isinstance(piece, str) else ""
+    )
+    raise InvalidRequest(msg)
+
+
+async def _read_chunks(source: IO[bytes]) -> AsyncIterator[bytes]:
+    while True:
+        piece = await anyio.to_thread.run_sync(source.read, CHUNK)
+        if not piece:
+            return
+        yield _chunk(piece)
+
+
+async def _checked_chunks(source: AsyncIterable[object]) -> AsyncIterator[bytes]:
+    async for piece in source:
+        yield _chunk(piece)
+
+
+async def _iter_chunks(source: Iterable[object]) -> AsyncIterator[bytes]:
+    pieces = iter(source)
+    done = object()
+    while True:
+        # A generator may block (it reads a file, a socket): not on the event loop.
+        piece = await anyio.to_thread.run_sync(next, pieces, done)
+        if piece is done:
+            return
+        yield _chunk(piece)
 
 
 def build_spec(

@@ -16,10 +16,10 @@ every client method through :class:`SyncClientBase`, so the sync surface is writ
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, final
+from typing import IO, TYPE_CHECKING, Any, Generic, Self, TypeVar, final
 
 from sandlot.gate.gate import Approval
 from sandlot.manager import ReconcileReport
@@ -43,7 +43,7 @@ from sandlot.models import (
 from sandlot.policy import Explanation
 from sandlot.receipts import ReceiptLog
 from sandlot.sdk import AsyncSandbox, AsyncSandlot
-from sandlot.shared import EventLoopThread
+from sandlot.shared import EventLoopThread, file_body
 from sandlot.terminal import Terminal
 
 if TYPE_CHECKING:
@@ -147,14 +147,17 @@ class Sandbox:
     def write_file(
         self,
         path: str,
-        data: bytes | str,
+        data: bytes | str | IO[bytes] | Iterable[bytes],
         *,
         mode: int | None = None,
         idempotency_key: str | None = None,
     ) -> FileInfo:
-        """Create or replace a file."""
+        """Create or replace a file; a binary file object or an iterable of chunks is
+        streamed, never held whole in memory."""
+        # A plain iterable becomes chunks read off the event loop (a generator may block).
+        body = file_body(data)
         return self._loop.run(
-            self._async.write_file(path, data, mode=mode, idempotency_key=idempotency_key)
+            self._async.write_file(path, body, mode=mode, idempotency_key=idempotency_key)
         )
 
     def write_files(

@@ -8,9 +8,12 @@ one's sandboxes. The CLI is a front end: it calls the SDK and nothing below it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -599,21 +602,24 @@ def write_file(
     """Write a file into a sandbox from a host file or standard input."""
 
     async def body(client: AsyncSandlot) -> object:
-        if source == "-":
-            data = await anyio.to_thread.run_sync(sys.stdin.buffer.read)
-        else:
-            try:
-                data = await anyio.Path(source).read_bytes()
-            except OSError as e:
-                msg = f"cannot read {source}: {e.strerror}"
-                raise InvalidRequest(msg) from None
         try:
             bits = int(mode, 8) if mode is not None else None
         except ValueError:
             msg = f"--mode must be octal, got {mode!r}"
             raise InvalidRequest(msg) from None
         handle = await client.get(sandbox_id)
-        return await handle.write_file(path, data, mode=bits, idempotency_key=idempotency_key)
+        if source == "-":
+            # Streamed as it is read: a 1 GiB upload never sits in this process's memory.
+            return await handle.write_file(
+                path, sys.stdin.buffer, mode=bits, idempotency_key=idempotency_key
+            )
+        try:
+            data = open(source, "rb")  # noqa: SIM115, ASYNC230 - closed below; opening is quick
+        except OSError as e:
+            msg = f"cannot read {source}: {e.strerror}"
+            raise InvalidRequest(msg) from None
+        with data:
+            return await handle.write_file(path, data, mode=bits, idempotency_key=idempotency_key)
 
     info = _run(as_json, body)
     if as_json:
@@ -636,22 +642,56 @@ def read_file(
 
     async def body(client: AsyncSandlot) -> int:
         handle = await client.get(sandbox_id)
-        size = 0
-        target = open(output, "wb") if output else sys.stdout.buffer  # noqa: SIM115, ASYNC230 - closed below; local disk writes are quick
-        try:
+        if output is None:
+            size = 0
             async for chunk in handle.stream_file(path):
-                target.write(chunk)
+                sys.stdout.buffer.write(chunk)
                 size += len(chunk)
-        finally:
-            if output:
-                target.close()
-            else:
-                target.flush()
-        return size
+            sys.stdout.buffer.flush()
+            return size
+        return await _download(handle.stream_file(path), output)
 
     size = _run(as_json, body)
     if as_json and output:
         _print_json({"path": path, "out": str(output), "size": size})
+
+
+async def _download(chunks: AsyncIterator[bytes], output: Path) -> int:
+    """Save a stream to ``output`` through a temporary file beside it, renamed over it only
+    when the whole stream arrived: a failed read (a wrong path, a broken connection) leaves an
+    existing file as it was."""
+    target, fd, tmp = await anyio.to_thread.run_sync(_temp_beside, output)
+    size = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            async for chunk in chunks:
+                f.write(chunk)
+                size += len(chunk)
+        await anyio.to_thread.run_sync(_put_in_place, tmp, target)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(functools.partial(tmp.unlink, missing_ok=True))
+        raise
+    return size
+
+
+def _temp_beside(output: Path) -> tuple[Path, int, Path]:
+    target = output.expanduser()
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        msg = f"cannot write {target}: {e.strerror}"
+        raise InvalidRequest(msg) from None
+    return target, fd, Path(name)
+
+
+def _put_in_place(tmp: Path, target: Path) -> None:
+    # The mode a plain write would have given it (mkstemp makes files 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    with contextlib.suppress(OSError):
+        tmp.chmod(target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~umask)
+    tmp.replace(target)
 
 
 @app.command("list-files")

@@ -35,7 +35,7 @@ import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, final
+from typing import IO, TYPE_CHECKING, Any, Self, final
 from urllib.parse import quote, urlencode
 
 import anyio
@@ -86,7 +86,7 @@ from sandlot.server.wire import (
     content_digest,
     parse_digest,
 )
-from sandlot.shared import build_spec, split_output
+from sandlot.shared import build_spec, file_body, split_output
 from sandlot.terminal import AsyncTerminal
 
 if TYPE_CHECKING:
@@ -125,6 +125,12 @@ def _problem_error(
     if code == ExecFailed.code and isinstance(result, dict):
         return ExecFailed(message, ExecResult.model_validate(result), **details)
     return error_from_code(code, message, details)
+
+
+async def _hashing(chunks: AsyncIterator[bytes], digest: hashlib._Hash) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        digest.update(chunk)
+        yield chunk
 
 
 def _key_header(key: str | None) -> dict[str, str]:
@@ -279,28 +285,30 @@ class AsyncRemoteSandbox:
     async def write_file(
         self,
         path: str,
-        data: bytes | str,
+        data: bytes | str | IO[bytes] | AsyncIterable[bytes],
         *,
         mode: int | None = None,
         idempotency_key: str | None = None,
     ) -> FileInfo:
-        """Create or replace a file (strings are written as UTF-8; parents are made)."""
-        body = data.encode() if isinstance(data, str) else bytes(data)
-        sent = hashlib.sha256(body).digest()
+        """Create or replace a file (parents are made). Text is written as UTF-8; a binary
+        file object or an async iterable of chunks is streamed, never held whole in memory."""
+        body = file_body(data)
         params: dict[str, str | int] = {"path": path}
         if mode is not None:
             params["mode"] = mode
+        headers = {"Content-Type": "application/octet-stream", **_key_header(idempotency_key)}
+        digest = hashlib.sha256()
+        if isinstance(body, bytes):
+            digest.update(body)
+            # Known before sending: the server checks it and writes nothing on a mismatch.
+            headers[DIGEST_HEADER] = content_digest(digest.digest())
+            content: bytes | AsyncIterator[bytes] = body
+        else:
+            content = _hashing(body, digest)
         response = await self._client._request(
-            "PUT",
-            f"{self._path}/files/content",
-            params=params,
-            content=body,
-            headers={
-                DIGEST_HEADER: content_digest(sent),
-                "Content-Type": "application/octet-stream",
-                **_key_header(idempotency_key),
-            },
+            "PUT", f"{self._path}/files/content", params=params, content=content, headers=headers
         )
+        sent = digest.digest()
         if parse_digest(response.headers.get(DIGEST_HEADER)) != sent:
             msg = f"the server stored {path} with a different SHA-256 than was sent"
             raise BackendError(msg)
@@ -714,7 +722,7 @@ class AsyncClient:
         *,
         json: object = None,
         params: Mapping[str, str | int | builtins.list[str]] | None = None,
-        content: bytes | None = None,
+        content: bytes | AsyncIterator[bytes] | None = None,
         headers: Mapping[str, str] | None = None,
         read_timeout: float | None = -1.0,
     ) -> httpx.Response:

@@ -270,11 +270,15 @@ class Gate:
         auth: Authorization,
         *,
         output: bytes | None = None,
+        output_hash: str | None = None,
         exit_code: int | None = None,
         error: str | None = None,
         detail: Mapping[str, JsonValue] | None = None,
     ) -> None:
         """Record what the authorized operation did (its output's hash, its exit code).
+
+        ``output_hash`` (``sha256:…``) stands for output that streamed past without being
+        kept; otherwise the hash is taken of ``output``.
 
         The execution receipt is written by a background writer, in batches, so the caller
         does not wait for a second commit; :meth:`flush` waits until everything submitted is
@@ -285,7 +289,9 @@ class Gate:
             extra["error"] = error[:1000]
         entry = execution_entry(
             auth.receipt,
-            output_hash=None if output is None else "sha256:" + hashlib.sha256(output).hexdigest(),
+            output_hash=(
+                output_hash if output is None else "sha256:" + hashlib.sha256(output).hexdigest()
+            ),
             exit_code=exit_code,
             detail=extra or None,
         )

@@ -1104,26 +1104,37 @@ def _routes(app: FastAPI) -> None:
         digest_header: Annotated[str | None, Header(alias=DIGEST_HEADER)] = None,
     ) -> Response:
         limit = plane.config.max_upload_bytes
-        digest = hashlib.sha256()
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                msg = f"the upload is over this server's limit of {limit} bytes"
-                raise PayloadTooLarge(msg, limit=limit)
-            digest.update(chunk)
-            parts.append(chunk)
         expected = parse_digest(digest_header)
         if digest_header and expected is None:
             msg = f"{DIGEST_HEADER} must be sha-256=:<base64>:"
             raise InvalidRequest(msg)
-        if expected is not None and expected != digest.digest():
-            msg = f"the upload of {path} does not match its {DIGEST_HEADER} (corrupted in transit); nothing was written"
-            raise InvalidRequest(msg)
-        (info,) = await plane.manager.write_files(
-            sandbox_id, {path: b"".join(parts)}, actor=actor, mode=mode, idempotency_key=key
-        )
+        digest = hashlib.sha256()
+        size = 0
+        # Spooled to disk past 1 MiB, not held in memory, and only then written: a body that
+        # does not match its digest (or breaks off) writes nothing.
+        spool = tempfile.SpooledTemporaryFile(max_size=1 << 20)  # noqa: SIM115 - closed below
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    msg = f"the upload is over this server's limit of {limit} bytes"
+                    raise PayloadTooLarge(msg, limit=limit)
+                digest.update(chunk)
+                await anyio.to_thread.run_sync(spool.write, chunk)
+            if expected is not None and expected != digest.digest():
+                msg = f"the upload of {path} does not match its {DIGEST_HEADER} (corrupted in transit); nothing was written"
+                raise InvalidRequest(msg)
+            await anyio.to_thread.run_sync(spool.seek, 0)
+            (info,) = await plane.manager.write_files(
+                sandbox_id,
+                {path: _spooled(spool)},
+                actor=actor,
+                mode=mode,
+                idempotency_key=key,
+                digests={path: "sha256:" + digest.hexdigest()},
+            )
+        finally:
+            spool.close()
         response = _json(info)
         response.headers[DIGEST_HEADER] = content_digest(digest.digest())
         return response

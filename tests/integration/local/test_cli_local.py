@@ -119,3 +119,49 @@ def test_exec_in_a_missing_directory_is_one_line(cli) -> None:  # type: ignore[n
         assert bad.stderr.strip() == (
             "error: working directory /nonexistent: No such file or directory"
         ), bad.stderr
+
+
+def _peak_rss_mib(argv: list[str], env: dict[str, str], stdin: Path | None = None) -> float:
+    """Run a command and return its peak resident memory (MiB), from wait4's rusage."""
+    with open(stdin or os.devnull, "rb") as f:
+        proc = subprocess.Popen(argv, stdin=f, stdout=subprocess.DEVNULL, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, argv
+    return usage.ru_maxrss / 1024
+
+
+def test_write_and_read_file_stream_instead_of_holding_the_file(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    sid = cli("create", "--network", "deny-all").stdout.strip()
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        chunk = os.urandom(1 << 20)
+        for _ in range(256):
+            f.write(chunk)
+    env = {**os.environ, "SANDLOT_HOME": str(cli.home), "SANDLOT_BACKEND": "local"}
+    baseline = _peak_rss_mib([*SANDLOT, "get", sid], env)
+    for argv, stdin in (
+        ([*SANDLOT, "write-file", sid, "/workspace/big.bin", str(big)], None),
+        ([*SANDLOT, "write-file", sid, "/workspace/big2.bin"], big),
+        ([*SANDLOT, "read-file", sid, "/workspace/big.bin", "--out", str(tmp_path / "back")], None),
+    ):
+        peak = _peak_rss_mib(argv, env, stdin)
+        # A 256 MiB file held whole would add at least that much.
+        assert peak < baseline + 64, (argv, peak, baseline)
+    assert (tmp_path / "back").read_bytes() == big.read_bytes()
+    size = cli("exec", sid, "--", "stat", "-c", "%s", "/workspace/big2.bin").stdout.strip()
+    assert size == str(256 << 20)
+
+
+def test_read_file_to_a_path_keeps_the_old_file_when_the_read_fails(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    sid = cli("create", "--network", "deny-all").stdout.strip()
+    keep = tmp_path / "keep.txt"
+    keep.write_text("precious\n")
+    failed = cli("read-file", sid, "/wrong/path", "--out", str(keep))
+    assert failed.returncode == 1
+    assert failed.stderr.startswith("error: ")
+    assert keep.read_text() == "precious\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".keep")] == []
+    cli("exec", sid, "--", "sh", "-c", "echo fresh > /workspace/f")
+    assert cli("read-file", sid, "/workspace/f", "--out", str(keep)).returncode == 0
+    assert keep.read_text() == "fresh\n"

@@ -251,3 +251,31 @@ async def test_policy_denial_crosses_with_reason_and_receipt(api: Api) -> None:
         await sb.exec("echo harmless")
     assert (again.value.reason_code, again.value.receipt_id) == ("DESTRUCTIVE", "rc-1")
     assert str(again.value) == "not today"
+
+
+async def test_write_file_streams_a_file_object_and_chunks(api: Api, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    client, _ = api
+    sb = await client.create()
+    source = tmp_path / "big.bin"
+    source.write_bytes(bytes(range(256)) * 20_000)
+    with open(source, "rb") as f:
+        info = await sb.write_file("/workspace/big.bin", f)
+    assert info.size == 5_120_000
+    assert await sb.read_file("/workspace/big.bin") == source.read_bytes()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"one "
+        yield b"two"
+
+    await sb.write_file("/workspace/two.txt", chunks())
+    assert await sb.read_file("/workspace/two.txt") == b"one two"
+
+
+async def test_a_failed_create_names_the_sandbox_it_left(api: Api) -> None:
+    client, _ = api
+    with pytest.raises(ExecFailed) as failed:
+        await client.create(setup="exit 4", labels={"suite": "named"})
+    (sb,) = await client.list(status=S.FAILED, labels={"suite": "named"})
+    assert failed.value.sandbox_id == sb.id
+    assert sb.id in str(failed.value)
+    assert failed.value.details["kept_until"]
