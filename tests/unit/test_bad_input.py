@@ -314,6 +314,9 @@ def test_a_bogus_accelerator_is_refused_naming_kvm_and_tcg(
     )
     check = qemu.accel_check(_image(tmp_path), tmp_path)
     assert (check.ok, check.detail) == (False, caught.value.message)
+    # With no guest image built yet the setting is still checked.
+    check = qemu.accel_check(None, tmp_path)
+    assert (check.ok, check.detail) == (False, caught.value.message)
 
 
 def test_the_accelerator_setting_is_case_and_blank_tolerant(

@@ -534,10 +534,15 @@ def decide_accel(image: ImagePaths, cache_dir: Path | None = None) -> AccelDecis
     return AccelDecision("tcg", why + _TCG_FALLBACK + seen)
 
 
-def accel_check(image: ImagePaths, cache_dir: Path | None = None) -> DoctorCheck:
+def accel_check(image: ImagePaths | None, cache_dir: Path | None = None) -> DoctorCheck:
     """What ``sandlot doctor`` says of the accelerator: the one VMs will use and why, or a
-    failed check when ``$SANDLOT_MICROVM_ACCEL`` asks for one that cannot work."""
+    failed check when ``$SANDLOT_MICROVM_ACCEL`` asks for one that cannot work. Without a
+    guest image there is nothing to probe with, so only the setting itself is checked."""
     try:
+        if image is None:
+            forced = forced_accel()
+            how = f"{forced}, set by {ACCEL_ENV}" if forced else "probed"
+            return DoctorCheck("accelerator", True, f"{how}; checked once a guest image is built")
         decision = decide_accel(image, cache_dir)
     except SandboxError as e:
         return DoctorCheck(
