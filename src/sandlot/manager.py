@@ -1014,12 +1014,16 @@ class Manager:
         check: bool = False,
         auto_resume: bool = True,
         idempotency_key: str | None = None,
+        collect_output: bool = True,
     ) -> ExecResult:
-        """Run a command to completion; output streams to ``on_output`` and is collected.
+        """Run a command to completion; output streams to ``on_output`` and is collected
+        (``collect_output=False``: only streamed, so output of any size passes in bounded
+        memory; the result's ``stdout``/``stderr`` are then empty).
 
         ``check=True`` raises ``ExecFailed`` (carrying the result) on a non-zero exit. With an
-        ``idempotency_key`` the command runs at most once: a repeat returns the first result,
-        and one whose first attempt died with its process reports the outcome as unknown.
+        ``idempotency_key`` the command runs at most once: a repeat returns the first result
+        (its output replayed to ``on_output``), and one whose first attempt died with its
+        process reports the outcome as unknown.
         """
         if timeout is not None and timeout <= 0:
             msg = f"timeout must be positive, got {timeout}"
@@ -1040,6 +1044,7 @@ class Manager:
             begun = await self._begin_intent(actor, "exec", request, idempotency_key)
             if isinstance(begun, _Replay):
                 result = ExecResult.model_validate(begun.result)
+                await _replay_output(result, on_output)
                 if check and result.exit_code != 0:
                     msg = f"command exited with {result.exit_code}: {' '.join(argv)[:200]}"
                     raise ExecFailed(msg, result)
@@ -1055,6 +1060,7 @@ class Manager:
                 # an unknown outcome and is never sent again.
                 outcome.lease = await self._jr(journal.advance, outcome.lease, "RUNNING")
             channel = await self._channel(sb)
+            counted = None if collect_output else _CountedOutput(on_output)
             result = await self._channel_call(
                 sb,
                 channel.exec(
@@ -1063,15 +1069,20 @@ class Manager:
                     env=self._env(sb, extra_env),
                     timeout=timeout,
                     stdin=stdin,
-                    on_output=on_output,
+                    on_output=on_output if counted is None else counted.feed,
+                    collect=collect_output,
                 ),
             )
-            outcome.output = (result.stdout + result.stderr).encode()
             outcome.exit_code = result.exit_code
             outcome.detail = {
                 "duration_ms": round(result.duration_ms, 3),
                 "timed_out": result.timed_out,
             }
+            if counted is None:
+                outcome.output = (result.stdout + result.stderr).encode()
+            else:
+                # Nothing was kept to hash afterwards: each stream's hash, taken as it passed.
+                outcome.detail |= counted.summary()
             outcome.result = result.model_dump(mode="json")
         await self._touch(sb)
         if check and result.exit_code != 0:
@@ -2621,6 +2632,43 @@ def _fresh(begun: Intent | _Replay | None) -> Intent | None:
     """The intent to run (a replay has returned before this is asked)."""
     assert not isinstance(begun, _Replay)
     return begun
+
+
+class _CountedOutput:
+    """Hashes and counts each output stream as it passes to the caller's callback."""
+
+    def __init__(self, on_output: OutputCallback | None) -> None:
+        self._on_output = on_output
+        self._hashes = {"stdout": hashlib.sha256(), "stderr": hashlib.sha256()}
+        self._sizes = {"stdout": 0, "stderr": 0}
+
+    async def feed(self, chunk: OutputChunk) -> None:
+        self._hashes[chunk.stream].update(chunk.data)
+        self._sizes[chunk.stream] += len(chunk.data)
+        if self._on_output is not None:
+            result = self._on_output(chunk)
+            if result is not None:
+                await result
+
+    def summary(self) -> dict[str, JsonValue]:
+        return {
+            name: {"sha256": "sha256:" + h.hexdigest(), "bytes": self._sizes[name]}
+            for name, h in self._hashes.items()
+        }
+
+
+async def _replay_output(result: ExecResult, on_output: OutputCallback | None) -> None:
+    """A replayed command's recorded output, given to the caller's callback as it was the
+    first time (a retry prints what the command printed)."""
+    if on_output is None:
+        return
+    seq = 0
+    for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+        if text:
+            maybe = on_output(OutputChunk(seq=seq, stream=stream, data=text.encode()))
+            if maybe is not None:
+                await maybe
+            seq += 1
 
 
 def _body_identity(body: bytes | AsyncIterable[bytes], digest: str | None) -> str:

@@ -146,6 +146,7 @@ class AsyncSandbox:
         check: bool = False,
         auto_resume: bool = True,
         idempotency_key: str | None = None,
+        collect_output: bool = True,
     ) -> ExecResult:
         """Run a command to completion (a string runs under ``sh -c``; a list is an argv).
 
@@ -162,6 +163,8 @@ class AsyncSandbox:
             auto_resume: Resume a stopped sandbox first (else ``InvalidState``).
             idempotency_key: Run at most once under this key; a repeat returns the first
                 result (``Conflict`` if the key was used for another command).
+            collect_output: Also keep the output in the result (False: only the callbacks
+                see it, so output of any size passes in bounded memory).
 
         Returns:
             The exit code, the collected output and the duration.
@@ -178,6 +181,7 @@ class AsyncSandbox:
             check=check,
             auto_resume=auto_resume,
             idempotency_key=idempotency_key,
+            collect_output=collect_output,
         )
 
     async def read_file(self, path: str) -> bytes:

@@ -118,6 +118,7 @@ class Sandbox:
         check: bool = False,
         auto_resume: bool = True,
         idempotency_key: str | None = None,
+        collect_output: bool = True,
     ) -> ExecResult:
         """Run a command to completion; see :meth:`AsyncSandbox.exec`."""
         return self._loop.run(
@@ -133,6 +134,7 @@ class Sandbox:
                 check=check,
                 auto_resume=auto_resume,
                 idempotency_key=idempotency_key,
+                collect_output=collect_output,
             )
         )
 

@@ -526,3 +526,45 @@ async def test_destroy_during_create_stops_the_creator(
         await aclient.create(setup="slow")
     (info,) = await aclient.list(include_destroyed=True)
     assert info.status is S.DESTROYED
+
+
+async def test_exec_without_collecting_only_streams_and_receipts_each_stream(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    import hashlib
+
+    fake.exec_handler = lambda req: ExecResult(exit_code=0, stdout="out\n", stderr="err\n")
+    sb = await aclient.create()
+    seen: list[tuple[str, bytes]] = []
+    result = await sb.exec(
+        ["report"], on_output=lambda c: seen.append((c.stream, c.data)), collect_output=False
+    )
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "", "")
+    assert seen == [("stdout", b"out\n"), ("stderr", b"err\n")]
+    await aclient.manager.flush_receipts()
+    (execution,) = [
+        r.body
+        for r in aclient.receipts.tail(10, sandbox_id=sb.id)
+        if r.type == "execution" and r.body["op"] == "exec"
+    ]
+    detail = execution["detail"]
+    assert isinstance(detail, dict)
+    assert detail["stdout"] == {
+        "sha256": "sha256:" + hashlib.sha256(b"out\n").hexdigest(),
+        "bytes": 4,
+    }
+    assert detail["stderr"]["bytes"] == 4  # type: ignore[index]
+
+
+async def test_a_replayed_exec_gives_its_output_to_the_callback_again(
+    aclient: AsyncSandlot,
+) -> None:
+    sb = await aclient.create()
+    first: list[bytes] = []
+    again: list[bytes] = []
+    await sb.exec("echo once", idempotency_key="k1", on_output=lambda c: first.append(c.data))
+    result = await sb.exec(
+        "echo once", idempotency_key="k1", on_output=lambda c: again.append(c.data)
+    )
+    assert result.stdout == "once\n"
+    assert b"".join(again) == b"".join(first) == b"once\n"

@@ -650,6 +650,7 @@ class FakeChannel:
         timeout: float | None = None,
         stdin: Stdin = None,
         on_output: OutputCallback | None = None,
+        collect: bool = True,
     ) -> ExecResult:
         """Answer with the ``exec_handler`` or the built-ins, streaming the output."""
         self._backend._record(self._ref, "exec", argv=list(argv), cwd=cwd, timeout=timeout)
@@ -675,7 +676,10 @@ class FakeChannel:
                         await maybe
                     seq += 1
         duration = (time.perf_counter() - started) * 1000
-        return result.model_copy(update={"duration_ms": result.duration_ms or duration})
+        update: dict[str, object] = {"duration_ms": result.duration_ms or duration}
+        if not collect:
+            update |= {"stdout": "", "stderr": ""}
+        return result.model_copy(update=update)
 
     async def start_process(
         self,

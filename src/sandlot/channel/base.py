@@ -78,11 +78,14 @@ class Channel(Protocol):
         timeout: float | None = None,
         stdin: Stdin = None,
         on_output: OutputCallback | None = None,
+        collect: bool = True,
     ) -> ExecResult:
         """Run a command to completion.
 
-        Output is streamed to ``on_output`` as it arrives and also collected into the result.
-        On ``timeout`` the whole process tree is killed and the result says ``timed_out``.
+        Output is streamed to ``on_output`` as it arrives and also collected into the result
+        (``collect=False``: only streamed, for output too big to hold; the result's ``stdout``
+        and ``stderr`` are then empty). On ``timeout`` the whole process tree is killed and the
+        result says ``timed_out``.
         """
         ...
 

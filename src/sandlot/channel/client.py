@@ -477,11 +477,13 @@ class AgentChannel:
         timeout: float | None = None,
         stdin: Stdin = None,
         on_output: OutputCallback | None = None,
+        collect: bool = True,
     ) -> ExecResult:
         """Run a command to completion.
 
         Output is streamed to ``on_output`` as it arrives and also collected into the result
-        (decoded as UTF-8 with invalid bytes replaced). On ``timeout`` the agent kills the
+        (decoded as UTF-8 with invalid bytes replaced; ``collect=False`` keeps none of it, for
+        output too big to hold). On ``timeout`` the agent kills the
         whole process tree and the result says ``timed_out`` with exit code 124. Cancelling
         the caller kills the remote process tree too.
         """
@@ -505,14 +507,14 @@ class AgentChannel:
             deadline = math.inf if timeout is None else timeout + _EXEC_SLACK
             with anyio.move_on_after(deadline) as scope:
                 if stdin is None:
-                    end = await self._collect(st, on_output)
+                    end = await self._collect(st, on_output, collect)
                 elif isinstance(stdin, (bytes, bytearray, memoryview)) and len(stdin) <= st.credit:
                     # Fits in the initial window: no need to feed it concurrently.
                     await conn.send_data(st, bytes(stdin))
                     await conn.send(FrameType.EOF, st.sid, b"", Chan.IN)
-                    end = await self._collect(st, on_output)
+                    end = await self._collect(st, on_output, collect)
                 else:
-                    end = await self._exec_with_stdin(st, stdin, on_output)
+                    end = await self._exec_with_stdin(st, stdin, on_output, collect)
             if scope.cancelled_caught:
                 msg = f"the agent did not finish {argv[0]!r} within {deadline:.0f}s"
                 raise SandboxTimeout(msg)
@@ -522,7 +524,7 @@ class AgentChannel:
         return end
 
     async def _exec_with_stdin(
-        self, st: _Stream, stdin: Stdin, on_output: OutputCallback | None
+        self, st: _Stream, stdin: Stdin, on_output: OutputCallback | None, collect: bool
     ) -> ExecResult:
         conn = self._conn
         result: list[ExecResult] = []
@@ -538,18 +540,20 @@ class AgentChannel:
             if st.end is None:
                 await conn.send(FrameType.EOF, st.sid, b"", Chan.IN)
 
-        async def collect() -> None:
-            result.append(await self._collect(st, on_output))
+        async def gather() -> None:
+            result.append(await self._collect(st, on_output, collect))
 
         # The command's own error (a missing cwd, say) is what the caller handles, not a group.
         with lone_error():
             async with anyio.create_task_group() as tg:
                 tg.start_soon(feed)
-                await collect()
+                await gather()
                 tg.cancel_scope.cancel()
         return result[0]
 
-    async def _collect(self, st: _Stream, on_output: OutputCallback | None) -> ExecResult:
+    async def _collect(
+        self, st: _Stream, on_output: OutputCallback | None, collect: bool = True
+    ) -> ExecResult:
         out: list[bytes] = []
         err: list[bytes] = []
         seq = 0
@@ -557,7 +561,8 @@ class AgentChannel:
             kind, chan, payload = await self._conn.next_item(st)
             if kind == FrameType.DATA:
                 assert isinstance(payload, bytes)
-                (err if chan == Chan.ERR else out).append(payload)
+                if collect:
+                    (err if chan == Chan.ERR else out).append(payload)
                 if on_output is not None:
                     chunk = OutputChunk.model_construct(seq=seq, stream=_label(chan), data=payload)
                     await _emit(on_output, chunk)

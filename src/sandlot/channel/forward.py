@@ -48,6 +48,7 @@ class ForwardingChannel:
         timeout: float | None = None,
         stdin: Stdin = None,
         on_output: OutputCallback | None = None,
+        collect: bool = True,
     ) -> ExecResult:
         """Run a command to completion."""
         return await self._inner.exec(
@@ -57,6 +58,7 @@ class ForwardingChannel:
             timeout=timeout,
             stdin=stdin,
             on_output=on_output,
+            collect=collect,
         )
 
     async def start_process(

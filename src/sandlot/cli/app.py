@@ -474,6 +474,8 @@ def exec(
             on_output=None if as_json else (lambda c: _write(c.stream, c.data)),
             auto_resume=not no_resume,
             idempotency_key=idempotency_key,
+            # Printed as it arrives, so not kept too: output of any size in bounded memory.
+            collect_output=as_json,
         )
         if as_json:
             _print_json(result)
@@ -549,6 +551,7 @@ def run(
                 timeout=timeout,
                 stdin=_stdin_chunks() if _wants_stdin(None) else None,
                 on_output=None if as_json else (lambda c: _write(c.stream, c.data)),
+                collect_output=as_json,
             )
         finally:
             if not keep:

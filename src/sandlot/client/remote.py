@@ -213,6 +213,7 @@ class AsyncRemoteSandbox:
         check: bool = False,
         auto_resume: bool = True,
         idempotency_key: str | None = None,
+        collect_output: bool = True,
     ) -> ExecResult:
         """Run a command to completion (a string runs under ``sh -c``; a list is an argv).
 
@@ -229,6 +230,8 @@ class AsyncRemoteSandbox:
             auto_resume: Resume a stopped sandbox first (else ``InvalidState``).
             idempotency_key: Run at most once under this key; a repeat returns the first
                 result (``Conflict`` if the key was used for another command).
+            collect_output: Also keep the output in the result (False: only the callbacks
+                see it, so output of any size passes in bounded memory).
 
         Returns:
             The exit code, the collected output and the duration.
@@ -240,6 +243,7 @@ class AsyncRemoteSandbox:
             "timeout": timeout,
             "check": check,
             "auto_resume": auto_resume,
+            "collect_output": collect_output,
         }
         stream: AsyncIterable[bytes] | None = None
         if isinstance(stdin, bytes | bytearray | memoryview):

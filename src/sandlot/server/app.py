@@ -778,6 +778,7 @@ def _routes(app: FastAPI) -> None:
                 check=body.check,
                 auto_resume=body.auto_resume,
                 idempotency_key=key,
+                collect_output=body.collect_output,
             )
 
         return call

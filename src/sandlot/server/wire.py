@@ -158,6 +158,9 @@ class ExecRequest(_Body):
     """Fail with ``exec_failed`` (carrying the result) on a non-zero exit."""
     auto_resume: bool = True
     """Resume a stopped sandbox first (else ``invalid_state``)."""
+    collect_output: bool = True
+    """Put the output in the result too (false: only stream it, for output too big to hold;
+    the result's ``stdout``/``stderr`` are then empty)."""
 
 
 class StartProcessRequest(_Body):

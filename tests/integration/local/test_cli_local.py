@@ -165,3 +165,18 @@ def test_read_file_to_a_path_keeps_the_old_file_when_the_read_fails(cli, tmp_pat
     cli("exec", sid, "--", "sh", "-c", "echo fresh > /workspace/f")
     assert cli("read-file", sid, "/workspace/f", "--out", str(keep)).returncode == 0
     assert keep.read_text() == "fresh\n"
+
+
+def test_exec_streams_big_output_in_bounded_memory(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    sid = cli("create", "--network", "deny-all").stdout.strip()
+    env = {**os.environ, "SANDLOT_HOME": str(cli.home), "SANDLOT_BACKEND": "local"}
+    baseline = _peak_rss_mib([*SANDLOT, "exec", sid, "--", "true"], env)
+    size = 300_000_000
+    argv = [*SANDLOT, "exec", sid, "--", "head", "-c", str(size), "/dev/zero"]
+    peak = _peak_rss_mib(argv, env)
+    assert peak < baseline + 64, (peak, baseline)
+    # And every byte arrived.
+    counted = subprocess.run(
+        f"{' '.join(argv)} | wc -c", shell=True, capture_output=True, text=True, env=env
+    )
+    assert counted.stdout.strip() == str(size)

@@ -78,12 +78,19 @@ class LocalChannel(ForwardingChannel):
         timeout: float | None = None,
         stdin: Stdin = None,
         on_output: OutputCallback | None = None,
+        collect: bool = True,
     ) -> ExecResult:
         """Run a command; ``oom_killed`` is set when the memory cgroup killed it."""
         files = self._oom_files()
         before = read_oom_kills(files)
         result = await super().exec(
-            argv, cwd=cwd, env=env, timeout=timeout, stdin=stdin, on_output=on_output
+            argv,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
+            stdin=stdin,
+            on_output=on_output,
+            collect=collect,
         )
         if (
             result.signal == 9
