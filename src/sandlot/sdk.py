@@ -395,6 +395,8 @@ class AsyncSandlot:
             ``:``-separated files) or else the shipped default policy.
         hold_timeout: Seconds a HOLD decision waits for an approval before it is a denial.
         on_deny: Called with each ``PolicyDenied`` before it is raised.
+        on_hold: Called with the pending :class:`Approval` when an operation of this client
+            is held for approval, as its wait begins (say how to approve it).
         on_receipt: Called with each signed receipt after it is written.
     """
 
@@ -410,6 +412,7 @@ class AsyncSandlot:
         hold_timeout: float = 300.0,
         on_deny: Callable[[PolicyDenied], object] | None = None,
         on_receipt: Callable[[Receipt], None] | None = None,
+        on_hold: Callable[[Approval], object] | None = None,
     ) -> None:
         home_dir = resolve_home(home)
         if backend is None and backends is not None and len(backends) == 1:
@@ -433,6 +436,7 @@ class AsyncSandlot:
             store.engine,
             hold_timeout=hold_timeout,
             on_deny=on_deny,
+            on_hold=on_hold,
         )
         self.manager = Manager(
             store,

@@ -424,6 +424,7 @@ class Sandlot(SyncClientBase[AsyncSandlot]):
         hold_timeout: float = 300.0,
         on_deny: Callable[[PolicyDenied], object] | None = None,
         on_receipt: Callable[[Receipt], None] | None = None,
+        on_hold: Callable[[Approval], object] | None = None,
     ) -> None:
         self._loop = EventLoopThread()
         options = {
@@ -433,6 +434,7 @@ class Sandlot(SyncClientBase[AsyncSandlot]):
             "hold_timeout": hold_timeout,
             "on_deny": on_deny,
             "on_receipt": on_receipt,
+            "on_hold": on_hold,
         }
         try:
             self._async = self._loop.run(_build(home, backend, database, options))

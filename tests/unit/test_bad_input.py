@@ -134,11 +134,6 @@ def test_postgresql_without_psycopg_is_one_line_naming_the_install() -> None:
     assert sandlot("list", python=BLOCK_PSYCOPG).returncode == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli/app.py _fail prints the message as rich markup, which eats '[postgres]' "
-    "(the change is the lead's: escape the message)",
-)
 def test_the_install_hint_is_printed_as_written() -> None:
     proc = sandlot("--database", "postgresql://127.0.0.1/test", "list", python=BLOCK_PSYCOPG)
     assert one_line(proc) == f"error: {NOT_INSTALLED}"

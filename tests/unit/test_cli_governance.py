@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import subprocess
@@ -106,3 +107,43 @@ def test_tail_approvals_explain_and_rotation() -> None:
     sandlot("exec", sid, "--", "true", check=True)
     root = json.loads(sandlot("keys", "export-trust-root", check=True).stdout)
     assert len(root["keys"]) == 2
+
+
+def test_a_held_exec_says_how_to_approve_it_at_once(tmp_path: Path) -> None:
+    """Issue 13 item 8: a held command printed nothing for up to 300 s."""
+    import select
+    import time
+
+    hold = Path(__file__).parents[2] / "docs" / "policies" / "hold-undecidable.cedar"
+    env = {
+        **os.environ,
+        "SANDLOT_BACKEND": "fake",
+        "SANDLOT_POLICY": f"default:{hold}",
+        "COLUMNS": "200",
+    }
+    run = functools.partial(subprocess.run, capture_output=True, text=True, env=env, timeout=60)
+    sid = run([*SANDLOT, "create"]).stdout.strip()
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [*SANDLOT, "exec", sid, "--shell", "--", "echo $HOME"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stderr is not None
+        ready, _, _ = select.select([proc.stderr], [], [], 20)
+        assert ready, "nothing on stderr while held"
+        line = proc.stderr.readline()
+        assert line.startswith("held for approval appr-"), line
+        assert time.monotonic() - started < 20
+        approval = line.split()[3].rstrip(":")
+        assert f"sandlot approvals approve {approval}" in line + proc.stderr.readline()
+        approved = run([*SANDLOT, "approvals", "approve", approval])
+        assert approved.returncode == 0, approved.stderr
+        proc.communicate(timeout=30)
+        assert proc.returncode == 0, "the approved command ran"
+    finally:
+        proc.kill()

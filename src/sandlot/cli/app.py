@@ -25,6 +25,7 @@ import anyio.to_thread
 import typer
 from pydantic import BaseModel
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sandlot._version import __version__
@@ -59,8 +60,10 @@ from sandlot.cli.spec import (
     spec_from_options,
 )
 from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
+from sandlot.gate.gate import Approval
 from sandlot.models import LOCAL_ACTOR, Actor, OutputChunk, SandboxInfo, SandboxStatus
 from sandlot.sdk import AsyncSandlot
+from sandlot.taskgroups import lone_error
 
 __all__ = ["app", "main"]
 
@@ -155,15 +158,16 @@ def _global(
 
 def _fail(error: SandboxError, as_json: bool) -> NoReturn:
     if as_json:
-        print(json.dumps({"error": error.to_dict()}))
+        print(json.dumps({"error": error.to_dict()}, default=str))
     elif isinstance(error, PolicyDenied):
         err.print(
-            f"[red]denied:[/red] {error.message} "
+            f"[red]denied:[/red] {escape(error.message)} "
             f"[dim]({error.reason_code}; receipt {error.receipt_id})[/dim]",
             markup=True,
         )
     else:
-        err.print(f"[red]error:[/red] {error.message}", markup=True)
+        # Escaped: a message may hold brackets (pip install 'sandlot[postgres]').
+        err.print(f"[red]error:[/red] {escape(error.message)}", markup=True)
     raise typer.Exit(1)
 
 
@@ -180,25 +184,56 @@ def _run(
     ``interrupted`` says, after a Ctrl-C, what the command left behind.
     """
 
+    def held(approval: Approval) -> None:
+        # At once, on stderr: the command waits for an answer that only a person can give.
+        if as_json:
+            print(json.dumps({"held": approval.to_dict()}), file=sys.stderr, flush=True)
+            return
+        wait = max(0, round(approval.expires_at - approval.created_at))
+        err.print(
+            f"[yellow]held for approval[/yellow] {approval.id}: {escape(approval.summary)} — "
+            f"{escape(approval.question)}\n  approve: sandlot approvals approve {approval.id}   "
+            f"deny: sandlot approvals deny {approval.id}   (waiting up to {wait}s)",
+            markup=True,
+        )
+
     async def main() -> T:
         if os.environ.get("SANDLOT_URL"):
             from sandlot.client import AsyncClient
 
             # The HTTP client offers AsyncSandlot's surface method for method (a test checks).
-            async with AsyncClient(os.environ["SANDLOT_URL"]) as remote:
+            async with AsyncClient(os.environ["SANDLOT_URL"], on_hold=held) as remote:
                 return await body(cast("AsyncSandlot", remote))
         async with AsyncSandlot(
-            _settings.home, _settings.backend, _settings.database, actor=actor or LOCAL_ACTOR
+            _settings.home,
+            _settings.backend,
+            _settings.database,
+            actor=actor or LOCAL_ACTOR,
+            on_hold=held,
         ) as client:
             return await body(client)
 
     try:
-        return anyio.run(main)
+        with lone_error():
+            return anyio.run(main)
     except SandboxError as e:
         _fail(e, as_json)
     except KeyboardInterrupt:
         err.print(f"interrupted{': ' + interrupted() if interrupted else ''}")
         raise typer.Exit(130) from None
+    except (typer.Exit, typer.Abort, SystemExit, BrokenPipeError):
+        raise
+    except Exception as e:
+        # A bug of ours: still one line (and the traceback when asked for), never a dump.
+        if os.environ.get("SANDLOT_DEBUG"):
+            raise
+        _fail(
+            SandboxError(
+                f"internal error ({type(e).__name__}: {e}); this is a bug in sandlot: "
+                "SANDLOT_DEBUG=1 shows the traceback"
+            ),
+            as_json,
+        )
 
 
 def _dump(value: object) -> object:

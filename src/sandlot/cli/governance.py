@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from sandlot.cli.app import JsonOpt, _print_json, _run, _settings, app, err, out
 from sandlot.config import receipt_log_id
@@ -57,7 +58,7 @@ def _fail(message: str, code: int, as_json: bool) -> typer.Exit:
     if as_json:
         print(json.dumps({"error": {"message": message}}))
     else:
-        err.print(f"[red]error:[/red] {message}")
+        err.print(f"[red]error:[/red] {escape(message)}")
     return typer.Exit(code)
 
 

@@ -669,6 +669,8 @@ class AsyncClient:
             carry keep-alives, and a silent one is given this long between them, times four).
         reconnect_timeout: Seconds to keep trying to reconnect a broken command or log stream.
         transport: An httpx transport to use instead of the network (tests).
+        on_hold: Called with the pending :class:`Approval` when a streamed operation of this
+            client (an exec, a create with setup output) is held for approval, at once.
     """
 
     def __init__(
@@ -679,6 +681,7 @@ class AsyncClient:
         timeout: float = 120.0,
         reconnect_timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        on_hold: Callable[[Approval], object] | None = None,
     ) -> None:
         url = url or os.environ.get("SANDLOT_URL")
         if not url:
@@ -688,6 +691,7 @@ class AsyncClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
+        self.on_hold = on_hold
         headers = {"User-Agent": "sandlot-client"}
         if key:
             headers["Authorization"] = f"Bearer {key}"
@@ -857,6 +861,16 @@ class AsyncClient:
             broken = e
         return await self._resume(state, callback, what, broken)
 
+    async def _notice(self, notice: object) -> None:
+        """A server's notice about a job: for now, that it is held for approval."""
+        if not isinstance(notice, dict) or notice.get("kind") != "held" or self.on_hold is None:
+            return
+        data = notice.get("approval")
+        if isinstance(data, dict):
+            result = self.on_hold(Approval(**data))
+            if inspect.isawaitable(result):
+                await result
+
     async def _resume(
         self,
         state: _JobState,
@@ -922,6 +936,12 @@ class AsyncClient:
                             seq=seq, stream=stream, data=b64decode(str(out["data"]))
                         )
                         await _deliver(callback, chunk)
+                    elif ev.event == "notice":
+                        seq = int(ev.id or "-1")
+                        if seq <= state.after:
+                            continue
+                        state.after = seq
+                        await self._notice(ev.json())
                     elif ev.event == "result":
                         outcome = ev.json()
                         break

@@ -13,11 +13,13 @@ signature for signature.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import final
 
 import httpx
 
 from sandlot.client.remote import AsyncClient
+from sandlot.gate.gate import Approval
 from sandlot.shared import EventLoopThread
 from sandlot.sync import SyncClientBase
 
@@ -36,11 +38,12 @@ class Client(SyncClientBase[AsyncClient]):
         timeout: float = 120.0,
         reconnect_timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        on_hold: Callable[[Approval], object] | None = None,
     ) -> None:
         self._loop = EventLoopThread()
         try:
             self._async = self._loop.run(
-                _build(url, api_key, timeout, reconnect_timeout, transport)
+                _build(url, api_key, timeout, reconnect_timeout, transport, on_hold)
             )
         except BaseException:
             self._loop.close()
@@ -61,8 +64,14 @@ async def _build(
     timeout: float,
     reconnect_timeout: float,
     transport: httpx.AsyncBaseTransport | None,
+    on_hold: Callable[[Approval], object] | None,
 ) -> AsyncClient:
     # Built on the loop thread, so the connection pool belongs to that loop.
     return AsyncClient(
-        url, api_key, timeout=timeout, reconnect_timeout=reconnect_timeout, transport=transport
+        url,
+        api_key,
+        timeout=timeout,
+        reconnect_timeout=reconnect_timeout,
+        transport=transport,
+        on_hold=on_hold,
     )

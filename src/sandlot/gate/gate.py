@@ -16,7 +16,9 @@ backends or front ends.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
+import inspect
 import logging
 import queue
 import threading
@@ -47,12 +49,12 @@ from sandlot.receipts import PolicyRef, Receipt, ReceiptLog, canonical_json, sha
 from sandlot.receipts.receipt import Entry, approval_entry, decision_entry, execution_entry
 from sandlot.receipts.schema import receipts as receipts_table
 
-__all__ = ["SYSTEM", "Approval", "Authorization", "Gate"]
+__all__ = ["SYSTEM", "Approval", "Authorization", "Gate", "hold_listener"]
 
 T = TypeVar("T")
 
 SYSTEM = Actor(tenant="default", principal="system", admin=True)
-"""The actor of the Manager's own housekeeping (TTL stops, reaping orphans)."""
+"""The actor of the Manager's own housekeeping that belongs to no tenant (reaping orphans)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,14 @@ class Approval:
         """As JSON data."""
         return dict(self.__dict__.items())
 
+
+hold_listener: contextvars.ContextVar[Callable[[Approval], object] | None] = contextvars.ContextVar(
+    "sandlot_hold_listener", default=None
+)
+"""Called, in the context of the operation that is held, with its pending approval: how a
+server tells the one client whose request waits (the gate's ``on_hold`` hears every hold)."""
+
+_log = logging.getLogger("sandlot")
 
 _LINGER = 0.02
 """Seconds the receipt writer waits for more receipts before committing a batch."""
@@ -194,6 +204,8 @@ class Gate:
         db: The SQLAlchemy engine of that database.
         hold_timeout: Seconds a HOLD waits for an answer before it becomes a DENY.
         on_deny: Called with each ``PolicyDenied`` before it is raised.
+        on_hold: Called with each new pending :class:`Approval` as its wait begins (as is
+            the :data:`hold_listener` of the operation's context).
     """
 
     def __init__(
@@ -204,12 +216,14 @@ class Gate:
         *,
         hold_timeout: float = 300.0,
         on_deny: Callable[[PolicyDenied], object] | None = None,
+        on_hold: Callable[[Approval], object] | None = None,
     ) -> None:
         self.engine = engine
         self.log = log
         self.db = db
         self.hold_timeout = hold_timeout
         self.on_deny = on_deny
+        self.on_hold = on_hold
         self._writer = _ReceiptWriter(log)
 
     def request(
@@ -361,6 +375,21 @@ class Gate:
             "expires_at": now + self.hold_timeout,
         }
         await self._db(lambda conn: conn.execute(insert(approvals).values(**row)))
+        await self._announce(
+            Approval(
+                id=approval_id,
+                tenant=actor.tenant,
+                principal=actor.principal,
+                sandbox_id=request.resource.sandbox_id,
+                action=request.action,
+                summary=str(row["summary"]),
+                question=question,
+                status="pending",
+                hold_seq=hold.seq,
+                created_at=now,
+                expires_at=now + self.hold_timeout,
+            )
+        )
         delay = 0.02
         try:
             while time.time() < now + self.hold_timeout:
@@ -393,6 +422,20 @@ class Gate:
             )
         )
         raise AssertionError  # pragma: no cover
+
+    async def _announce(self, approval: Approval) -> None:
+        """Tell whoever waits on this operation that it is held (at once, not when the wait
+        ends), so they can say how to approve it. A listener's failure is logged, not raised:
+        the hold stands either way."""
+        for listener in (self.on_hold, hold_listener.get()):
+            if listener is None:
+                continue
+            try:
+                result = listener(approval)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                _log.exception("a hold listener failed")
 
     async def _expire(self, approval_id: str, hold: Receipt, *, reason_code: str) -> Receipt:
         """Answer a HOLD with the gate's own DENY and close its approval request."""

@@ -45,10 +45,12 @@ if TYPE_CHECKING:
 
     from sandlot.receipts.canonical import JsonValue
 
-__all__ = ["ExecChunk", "ExecPage", "ExecRun", "ExecRunState", "ExecRuns", "NewChunk"]
+__all__ = ["ExecChunk", "ExecPage", "ExecRun", "ExecRunState", "ExecRuns", "NewChunk", "Stream"]
 
 ExecRunState = Literal["running", "finished", "unknown"]
-Stream = Literal["stdout", "stderr"]
+Stream = Literal["stdout", "stderr", "notice"]
+"""A chunk's stream: the command's output, or a ``notice`` of the server's own about the run
+(JSON: it is held for approval, …), which readers get in order with the output."""
 
 
 @dataclass(frozen=True)

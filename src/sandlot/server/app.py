@@ -58,6 +58,7 @@ from sandlot.errors import (
     PolicyDenied,
     SandboxError,
 )
+from sandlot.gate.gate import Approval, hold_listener
 from sandlot.manager import Manager
 from sandlot.models import (
     Actor,
@@ -337,7 +338,10 @@ async def _job_events(
             yield _sse("error", problem_body(e))
             return
         for c in page.chunks:
-            yield _sse("output", {"stream": c.stream, "data": b64encode(c.data)}, id=str(c.seq))
+            if c.stream == "notice":
+                yield _sse("notice", json.loads(c.data), id=str(c.seq))
+            else:
+                yield _sse("output", {"stream": c.stream, "data": b64encode(c.data)}, id=str(c.seq))
             after = c.seq
         if page.outcome is not None:
             if page.outcome.error is not None:
@@ -361,6 +365,12 @@ async def _run_job(
     async def on_output(chunk: OutputChunk) -> None:
         await plane.output.append(job_id, chunk.stream, chunk.data)
 
+    async def on_hold(approval: Approval) -> None:
+        # The client waiting on this job learns at once how to get it approved.
+        notice = {"kind": "held", "approval": approval.to_dict()}
+        await plane.output.append(job_id, "notice", json.dumps(notice).encode())
+
+    hold_listener.set(on_hold)  # this task's context: only this job's holds
     outcome = "error"
     try:
         try:

@@ -21,13 +21,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, cast, final
+from typing import TYPE_CHECKING, Protocol, cast, final
 
 import anyio
 import anyio.to_thread
 
 from sandlot.errors import BackendUnavailable, NotFound, OutputExpired, SandboxError
-from sandlot.journal.execlog import ExecRuns, NewChunk
+from sandlot.journal.execlog import ExecRuns, NewChunk, Stream
 from sandlot.journal.owner import owner_alive as _local_owner_alive
 from sandlot.journal.owner import process_owner
 from sandlot.server.problems import problem_body
@@ -58,7 +58,7 @@ class OutputRecord:
     """One chunk of a command's output."""
 
     seq: int
-    stream: Literal["stdout", "stderr"]
+    stream: Stream
     data: bytes
 
 
@@ -85,7 +85,7 @@ class ExecOutputLog(Protocol):
         """Start the output of a new command."""
         ...
 
-    async def append(self, exec_id: str, stream: Literal["stdout", "stderr"], data: bytes) -> int:
+    async def append(self, exec_id: str, stream: Stream, data: bytes) -> int:
         """Add a chunk; its sequence number."""
         ...
 
@@ -164,7 +164,7 @@ class MemoryExecOutputLog:
         self._expire()
         self._entries[exec_id] = _Entry(tenant=tenant, sandbox_id=sandbox_id)
 
-    async def append(self, exec_id: str, stream: Literal["stdout", "stderr"], data: bytes) -> int:
+    async def append(self, exec_id: str, stream: Stream, data: bytes) -> int:
         """Add a chunk; its sequence number."""
         entry = self._get(exec_id)
         seq = entry.next_seq
@@ -285,7 +285,7 @@ class DatabaseExecOutputLog:
         )
         self._live[exec_id] = _Live(tenant=tenant)
 
-    async def append(self, exec_id: str, stream: Literal["stdout", "stderr"], data: bytes) -> int:
+    async def append(self, exec_id: str, stream: Stream, data: bytes) -> int:
         """Add a chunk; its sequence number. Buffered: no database round trip here."""
         live = self._live.get(exec_id)
         if live is None:
