@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, TypeVar, final
 import anyio
 
 from sandlot.backends.base import Backend, NetworkControl, SnapshotRef
+from sandlot.backends.options import check_backend_options
 from sandlot.channel.base import MAIN_LOG, Channel, OutputCallback, PtySession, Stdin
 from sandlot.errors import (
     BackendError,
@@ -764,6 +765,8 @@ class Manager:
         the same key is a ``Conflict``), and a crash never allocates twice.
         """
         name = backend or self.default_backend
+        # Every entry point (SDK, HTTP, MCP) refuses options nobody reads, as the CLI does.
+        check_backend_options(spec.backend_options)
         impl = self._backend(name)
         self._check_capabilities(impl, spec)
         await self._sweep_if_due()

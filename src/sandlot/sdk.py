@@ -422,6 +422,8 @@ class AsyncSandlot:
             backend = default_backend_name(backend)
         self.home = home_dir
         self.actor = actor
+        # First: a policy file that does not load is one clear error, with nothing opened yet.
+        engine = load_engine(policy_config(policy))
         store = SqlStore(database_url(database, home_dir))
         store.ensure_schema()
         self.receipts = ReceiptLog(
@@ -431,7 +433,7 @@ class AsyncSandlot:
         if on_receipt is not None:
             self.receipts.on_receipt(on_receipt)
         gate = Gate(
-            load_engine(policy_config(policy)),
+            engine,
             self.receipts,
             store.engine,
             hold_timeout=hold_timeout,

@@ -435,3 +435,25 @@ def test_git_options_apply_to_the_spec_files_repository(tmp_path: Path) -> None:
     (failed,) = json.loads(listed.stdout)
     assert failed["spec"]["git"]["url"] == "https://example.invalid/r.git"
     assert failed["spec"]["git"]["revision"] == "dev"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("SANDLOT_NETWORK_POOL", "bogus", "SANDLOT_NETWORK_POOL must be an IPv4 network"),
+        ("SANDLOT_NETWORK_POOL", "10.9.0.0/31", "too small"),
+        ("SANDLOT_NETWORK_NAMESERVER", "bogus", "SANDLOT_NETWORK_NAMESERVER must be IP or IP:PORT"),
+    ],
+)
+def test_a_bad_network_setting_is_one_line(name: str, value: str, says: str) -> None:
+    if os.geteuid() != 0 or shutil.which("crun") is None:
+        pytest.skip("needs root and crun (the local backend reads these settings)")
+    proc = sandlot("create", "--network", "deny-all", env={"SANDLOT_BACKEND": "local", name: value})
+    assert says in one_line(proc)
+
+
+def test_a_server_url_that_is_not_one_is_one_line() -> None:
+    proc = sandlot("list", env={"SANDLOT_URL": "garbage", "SANDLOT_API_KEY": "k"})
+    assert one_line(proc) == (
+        "error: the server URL must start with http:// or https://, got 'garbage'"
+    )

@@ -85,7 +85,6 @@ def serve(
     from sandlot.sdk import AsyncSandlot
     from sandlot.server import ApiKeyStore, Quota, ServerConfig, create_app
 
-    url = _database(database)
     config = ServerConfig(
         max_upload_bytes=max_upload_mb << 20,
         max_download_bytes=max_download_mb << 20,
@@ -98,7 +97,9 @@ def serve(
 
     async def main() -> None:
         from sandlot.server.outputlog import DatabaseExecOutputLog
+        from sandlot.store.connect import redact_url
 
+        url = _database(database)
         sdk = AsyncSandlot(resolve_home(_settings.home), _settings.backend, url)
         engine = sdk.manager.store.engine  # type: ignore[attr-defined]
         # Command output lives in the database, so a client reconnecting after a restart
@@ -121,7 +122,10 @@ def serve(
             uvicorn.Config(app_, host=host, port=port, lifespan="on", log_level="info")
         )
         shown = f"[{host}]" if ":" in host else host
-        err.print(f"sandlot {sdk.manager.default_backend} backend, database {url}")
+        err.print(
+            f"sandlot {sdk.manager.default_backend} backend, database {redact_url(url)}",
+            markup=False,
+        )
         err.print(f"serving http://{shown}:{port} (MCP at /mcp); Ctrl-C stops")
         try:
             await server.serve()

@@ -687,6 +687,9 @@ class AsyncClient:
         if not url:
             msg = "no server URL: pass url= or set SANDLOT_URL"
             raise InvalidRequest(msg)
+        if not url.startswith(("http://", "https://")):
+            msg = f"the server URL must start with http:// or https://, got {url!r}"
+            raise InvalidRequest(msg)
         key = api_key if api_key is not None else os.environ.get("SANDLOT_API_KEY")
         self.url = url.rstrip("/")
         self.timeout = timeout

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandlot.errors import BackendError, BackendUnavailable
+from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest
 
 __all__ = [
     "DEFAULT_POOL",
@@ -56,6 +56,8 @@ __all__ = [
     "NetNames",
     "Slot",
     "allow_all_rules",
+    "configured_nameserver",
+    "configured_pool",
     "create_netns",
     "create_veth",
     "delete_link",
@@ -76,6 +78,45 @@ __all__ = [
 
 DEFAULT_POOL = "10.213.0.0/16"
 NETNS_DIR = Path("/run/netns")
+
+
+def configured_pool(explicit: str | None = None) -> str:
+    """The IPv4 range sandboxes' /30s are carved from: ``explicit``, else
+    ``$SANDLOT_NETWORK_POOL``, else :data:`DEFAULT_POOL`; refused unless it is one."""
+    value = explicit or os.environ.get("SANDLOT_NETWORK_POOL") or DEFAULT_POOL
+    try:
+        net = ipaddress.IPv4Network(value, strict=True)
+    except ValueError as e:
+        msg = f"SANDLOT_NETWORK_POOL must be an IPv4 network such as {DEFAULT_POOL}, got {value!r} ({e})"
+        raise InvalidRequest(msg) from None
+    if net.prefixlen > 30:
+        msg = f"SANDLOT_NETWORK_POOL {value} is too small: it must hold at least one /30"
+        raise InvalidRequest(msg)
+    return str(net)
+
+
+def configured_nameserver(explicit: str | None = None) -> str | None:
+    """The ``IP[:PORT]`` egress proxies resolve with: ``explicit``, else
+    ``$SANDLOT_NETWORK_NAMESERVER``, else None (the host's resolver); refused unless it is
+    one."""
+    value = explicit or os.environ.get("SANDLOT_NETWORK_NAMESERVER") or None
+    if value is None:
+        return None
+    host, port = value, ""
+    if value.startswith("[") and "]:" in value:  # [IPv6]:PORT
+        host, port = value[1:].split("]:", 1)
+    elif value.count(":") == 1:  # IPv4:PORT
+        host, port = value.split(":")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        if port and not 0 < int(port) < 65536:
+            raise ValueError(port)
+    except ValueError:
+        msg = f"SANDLOT_NETWORK_NAMESERVER must be IP or IP:PORT (such as 127.0.0.53:53), got {value!r}"
+        raise InvalidRequest(msg) from None
+    return value
+
+
 NETNS_PREFIX = "sandlot-"
 LINK_PREFIX = "slh"
 TABLE_PREFIX = "sandlot_"

@@ -127,8 +127,8 @@ class SandboxNetworks:
         python: interpreter that runs the daemon (default: this one).
         """
         self.state_dir = Path(state_dir)
-        self.pool = pool or os.environ.get("SANDLOT_NETWORK_POOL") or netns.DEFAULT_POOL
-        self.nameserver = nameserver or os.environ.get("SANDLOT_NETWORK_NAMESERVER") or None
+        self.pool = netns.configured_pool(pool)
+        self.nameserver = netns.configured_nameserver(nameserver)
         self.proxy_port = proxy_port
         self.python = python or sys.executable
         (self.state_dir / "sandboxes").mkdir(parents=True, exist_ok=True, mode=0o700)

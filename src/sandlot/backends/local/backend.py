@@ -93,6 +93,7 @@ from sandlot.backends.local.runtime import (
     reap,
     wait_exit,
 )
+from sandlot.backends.options import check_backend_options
 from sandlot.config import cache_dir
 from sandlot.errors import (
     BackendError,
@@ -116,7 +117,6 @@ __all__ = ["ISOLATIONS", "LocalBackend"]
 ISOLATIONS: Mapping[str, str] = {"namespaces": "crun", "gvisor": "runsc"}
 """``backend_options.local.isolation`` values and the runtime each one runs on."""
 
-_OPTIONS = frozenset({"isolation"})
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _AGENT_IN = "/.sandlot/agent.py"
 _AGENT_PYC_IN = "/.sandlot/agent.pyc"
@@ -596,14 +596,8 @@ class LocalBackend:
             msg = f"sandbox id {sandbox_id!r} must be 1-63 letters, digits, '.', '_' or '-'"
             raise InvalidRequest(msg)
         options = spec.options_for("local")
-        for key in options:
-            if key not in _OPTIONS:
-                msg = f"unknown backend_options.local key {key!r} (known: {', '.join(sorted(_OPTIONS))})"
-                raise InvalidRequest(msg)
-        isolation = options.get("isolation", "namespaces")
-        if not isinstance(isolation, str) or isolation not in ISOLATIONS:
-            msg = f"backend_options.local.isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}"
-            raise InvalidRequest(msg)
+        check_backend_options({"local": options})  # declared in sandlot.backends.options
+        isolation = str(options.get("isolation", "namespaces"))
         kind = spec.network if isinstance(spec.network, str) else "allowlist"
         if self._idmap is not None:
             self._validate_rootless(spec, isolation, kind)

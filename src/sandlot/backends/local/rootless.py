@@ -40,7 +40,7 @@ from pathlib import Path
 
 from sandlot.backends.local.runtime import process_alive, reap
 from sandlot.errors import BackendError, BackendUnavailable
-from sandlot.network.netns import DEFAULT_POOL
+from sandlot.network.netns import configured_pool
 
 __all__ = [
     "HELPER",
@@ -508,7 +508,7 @@ def fence_slirp(init: int) -> None:
         "127.0.0.0/8",
         "169.254.0.0/16",
         "224.0.0.0/3",
-        os.environ.get("SANDLOT_NETWORK_POOL") or DEFAULT_POOL,
+        configured_pool(),
         *(a for a in _host_addresses() if not a.startswith("127.")),
     ]
     rules = _FENCE.format(dns=SLIRP_DNS, blocked=", ".join(blocked))

@@ -120,6 +120,7 @@ from sandlot.backends.microvm.image import (
     resolve_image,
 )
 from sandlot.backends.microvm.qmp import QmpClient, connect_unix
+from sandlot.backends.options import check_backend_options
 from sandlot.channel.base import Channel
 from sandlot.channel.client import AgentChannel, connect_stream
 from sandlot.errors import (
@@ -508,6 +509,9 @@ class MicrovmBackend:
         raise NotSupported(msg, field="network")
 
     def _check_spec(self, spec: SandboxSpec) -> None:
+        # Before any image work: a bad accelerator setting fails every VM alike.
+        qemu.forced_accel()
+        check_backend_options({"microvm": spec.options_for("microvm")})
         self._require_kind(spec.network)
         if spec.ports:
             msg = "the microvm backend cannot expose ports"
@@ -1850,7 +1854,6 @@ def doctor(cache_dir: Path | None = None) -> list[DoctorCheck]:
             "sandlot images build microvm",
         )
     )
-    if image is not None and shutil.which(qemu.QEMU_BINARY):
-        decision = qemu.decide_accel(image, cache_dir)
-        checks.append(DoctorCheck(f"accelerator: {decision.mode}", True, decision.reason))
+    if shutil.which(qemu.QEMU_BINARY):
+        checks.append(qemu.accel_check(image, cache_dir))
     return checks
