@@ -103,3 +103,41 @@ def test_on_a_real_terminal_raw_mode_and_window_size_follow() -> None:
             proc.kill()
             proc.wait()
         os.close(master)
+
+
+def test_through_a_server_the_command_ends_when_the_program_does(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 14: through a server the CLI waited for one more keystroke after the
+    program exited (a worker thread stuck reading the terminal held the interpreter)."""
+    from sandlot.server import ServerConfig
+    from sandlot.server.testing import ServerThread
+    from sandlot.testing import FakeBackend
+
+    config = ServerConfig(sweep_interval=None)
+    with ServerThread(tmp_path / "srv", backends={"fake": FakeBackend()}, config=config) as srv:
+        env = _env(SANDLOT_URL=srv.url, SANDLOT_API_KEY=srv.new_key("acme"))
+        made = subprocess.run(
+            [*SANDLOT, "create"], capture_output=True, text=True, env=env, timeout=60
+        )
+        sid = made.stdout.strip()
+        master, slave = os.openpty()
+        proc = subprocess.Popen(
+            [*SANDLOT, "shell", sid],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            start_new_session=True,
+        )
+        os.close(slave)
+        try:
+            deadline = time.monotonic() + 30
+            while termios.tcgetattr(master)[3] & termios.ECHO:
+                assert time.monotonic() < deadline, "the terminal never went raw"
+                time.sleep(0.02)
+            os.write(master, b"exit 5\r")
+            assert proc.wait(timeout=10) == 5, "the command outlived its program"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            os.close(master)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import sys
 import termios
+import threading
 import tty
 from collections.abc import Iterator
 from typing import Annotated
@@ -85,12 +87,23 @@ async def _relay(term: AsyncTerminal) -> int:
     """Copy keystrokes in and output out until the program exits; its exit code."""
     stdin = sys.stdin.fileno()
     interactive = os.isatty(stdin)
+    ended = threading.Event()
+
+    def read_some() -> bytes | None:
+        # In a worker thread, since stdin may be a file (which no event loop can wait on),
+        # and never blocked for good: the interpreter waits for its worker threads at exit,
+        # so a thread stuck reading a terminal kept the command alive until a key was typed.
+        while not ended.is_set():
+            ready, _, _ = select.select([stdin], [], [], 0.2)
+            if ready:
+                return os.read(stdin, 65536)
+        return None
 
     async def keystrokes() -> None:
         while True:
-            # A thread, since stdin may be a file (which no event loop can wait on); it is
-            # abandoned when the program exits first.
-            data = await anyio.to_thread.run_sync(os.read, stdin, 65536, abandon_on_cancel=True)
+            data = await anyio.to_thread.run_sync(read_some, abandon_on_cancel=True)
+            if data is None:
+                return
             # A write that fails (the program just exited) is not this side's error: the
             # output side reports how the program ended.
             with contextlib.suppress(SandboxError):
@@ -114,5 +127,6 @@ async def _relay(term: AsyncTerminal) -> int:
             out.write(data)
             out.flush()
         code = await term.wait()
+        ended.set()
         tg.cancel_scope.cancel()
     return code
