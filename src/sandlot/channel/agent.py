@@ -1410,9 +1410,9 @@ class BgProcess:
             st.ack(len(buf))
             if why is not None:
                 st.fail(BAD_STATE, "stdin is closed: %s" % why)
-        for st in list(self.agent.stdin_writers(self)):
-            if why is not None:
-                st.fail(BAD_STATE, "stdin is closed: %s" % why)
+        # A writer whose bytes were all written is not failed: the program read them and then
+        # exited before the writer's end of input arrived (``read x; exit``), which is the
+        # normal course; it finishes when that end arrives (maybe_done).
 
     def write_stdin(self) -> None:
         while self.stdin_q and self.in_fd >= 0:
@@ -1525,13 +1525,12 @@ class ProcStdin(Stream):
         self.maybe_done()
 
     def maybe_done(self) -> None:
+        # Every byte it sent was written (pending 0): done, even if the program has closed
+        # its input or exited since; undelivered bytes were failed in close_stdin.
         if self.eof and self.pending == 0 and not self.done:
-            if self.proc.in_fd < 0:
-                self.fail(BAD_STATE, "stdin of %s is closed" % self.proc.id)
-            else:
-                if self.close_after:
-                    self.proc.close_stdin()
-                self.finish({})
+            if self.close_after and self.proc.in_fd >= 0:
+                self.proc.close_stdin()
+            self.finish({})
 
     def _close(self) -> bool:
         self.sess.agent.stdin_streams.discard(self)
@@ -2316,9 +2315,6 @@ class Agent:
         if proc is None:
             raise AgentError(NOT_FOUND, "no process %r" % key, id=key)
         return proc
-
-    def stdin_writers(self, proc: BgProcess) -> List[ProcStdin]:
-        return [s for s in self.stdin_streams if s.proc is proc]
 
     def retire(self) -> None:
         exited = [p for p in self.procs.values() if p.finalized and not p.subs]

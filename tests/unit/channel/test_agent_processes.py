@@ -173,3 +173,25 @@ async def test_pty_close_hangs_up_and_leaves_nothing(
     # SIGHUP first; the tree is killed after a one-second grace even if it ignores hang-ups.
     assert eventually(lambda: survivors(tag) == [], timeout=5)
     assert (await channel.exec(["echo", "still fine"])).stdout == "still fine\n"
+
+
+async def test_input_the_program_read_before_exiting_is_not_an_error(
+    channel: AgentChannel,
+) -> None:
+    """A writer's end of input may arrive after the program read its bytes and exited (seen
+    under load as ``stdin is closed: the process has exited`` for ``read x; exit``)."""
+    from sandlot.channel.protocol import Chan, FrameType
+
+    info = await channel.start_process(["sh", "-c", "read x; echo got $x; exit 3"])
+    conn = channel._conn
+    st = await conn.open({"op": "proc.stdin", "id": info.id, "close": True})
+    await conn.send_data(st, b"hello\n")
+    done = await channel.wait_process(info.id, timeout=10)  # it read the line and exited
+    assert done.exit_code == 3
+    await conn.send(FrameType.EOF, st.sid, b"", Chan.IN)
+    await conn.result(st)  # no error: every byte was delivered
+    out = b"".join(c.data for c in await _collect(channel.process_output(info.id)))
+    assert out == b"got hello\n"
+    # Input that can no longer be delivered is still refused.
+    with pytest.raises(InvalidState, match="closed"):
+        await channel.write_stdin(info.id, b"late\n")
