@@ -1021,7 +1021,8 @@ class Manager:
     ) -> ExecResult:
         """Run a command to completion; output streams to ``on_output`` and is collected
         (``collect_output=False``: only streamed, so output of any size passes in bounded
-        memory; the result's ``stdout``/``stderr`` are then empty).
+        memory; the result's ``stdout``/``stderr`` are then empty; under an idempotency key
+        the output is always kept, since a repeat returns it).
 
         ``check=True`` raises ``ExecFailed`` (carrying the result) on a non-zero exit. With an
         ``idempotency_key`` the command runs at most once: a repeat returns the first result
@@ -1063,7 +1064,8 @@ class Manager:
                 # an unknown outcome and is never sent again.
                 outcome.lease = await self._jr(journal.advance, outcome.lease, "RUNNING")
             channel = await self._channel(sb)
-            counted = None if collect_output else _CountedOutput(on_output)
+            keep = collect_output or idempotency_key is not None
+            counted = None if keep else _CountedOutput(on_output)
             result = await self._channel_call(
                 sb,
                 channel.exec(
@@ -1073,7 +1075,7 @@ class Manager:
                     timeout=timeout,
                     stdin=stdin,
                     on_output=on_output if counted is None else counted.feed,
-                    collect=collect_output,
+                    collect=keep,
                 ),
             )
             outcome.exit_code = result.exit_code

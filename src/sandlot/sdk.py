@@ -48,7 +48,7 @@ from sandlot.models import (
 )
 from sandlot.policy import Explanation, PolicyConfig, load_engine
 from sandlot.receipts import KeyStore, Receipt, ReceiptLog
-from sandlot.shared import build_spec, file_body, split_output
+from sandlot.shared import Creating, build_spec, file_body, split_output
 from sandlot.store.sql import SqlStore
 from sandlot.terminal import AsyncTerminal
 
@@ -479,7 +479,7 @@ class AsyncSandlot:
         except SandboxError as e:
             logging.getLogger("sandlot").warning("could not sign a closing checkpoint: %s", e)
 
-    async def create(
+    def create(
         self,
         spec: SandboxSpec | Mapping[str, JsonValue] | None = None,
         *,
@@ -487,22 +487,28 @@ class AsyncSandlot:
         on_setup_output: OutputCallback | None = None,
         idempotency_key: str | None = None,
         **fields: object,
-    ) -> AsyncSandbox:
-        """Create a sandbox from a spec and/or spec fields (``image=``, ``setup=``, …).
+    ) -> Creating[AsyncSandbox]:
+        """Create a sandbox from a spec and/or spec fields (``image=``, ``setup=``, …):
+        ``sb = await client.create(…)``, or ``async with client.create(…) as sb:`` to destroy
+        it on exit.
 
         Raises ``InvalidRequest`` naming the bad field, ``NotSupported`` when the backend
         cannot enforce what the spec asks, ``ExecFailed`` when setup fails (the sandbox is then
-        ``failed`` and kept for inspection).
+        ``failed`` and kept for inspection; the error's ``sandbox_id`` names it).
         """
         full = build_spec(spec, fields)
-        info = await self.manager.create(
-            full,
-            backend=backend,
-            actor=self.actor,
-            on_setup_output=on_setup_output,
-            idempotency_key=idempotency_key,
-        )
-        return AsyncSandbox(self, info)
+
+        async def create() -> AsyncSandbox:
+            info = await self.manager.create(
+                full,
+                backend=backend,
+                actor=self.actor,
+                on_setup_output=on_setup_output,
+                idempotency_key=idempotency_key,
+            )
+            return AsyncSandbox(self, info)
+
+        return Creating(create())
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         """A handle on an existing sandbox (``NotFound`` names the id)."""

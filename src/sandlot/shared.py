@@ -16,11 +16,13 @@ from collections.abc import (
     AsyncIterator,
     Callable,
     Coroutine,
+    Generator,
     Iterable,
     Iterator,
     Mapping,
 )
-from typing import IO, TYPE_CHECKING, TypeVar
+from types import TracebackType
+from typing import IO, TYPE_CHECKING, Generic, Protocol, TypeVar, final
 
 import anyio.to_thread
 
@@ -30,11 +32,43 @@ from sandlot.models import OutputChunk, SandboxSpec, parse_model
 if TYPE_CHECKING:
     from sandlot.channel.base import OutputCallback
 
-__all__ = ["CHUNK", "EventLoopThread", "build_spec", "file_body", "split_output"]
+__all__ = ["CHUNK", "Creating", "EventLoopThread", "build_spec", "file_body", "split_output"]
 
 T = TypeVar("T")
+H = TypeVar("H", bound="_Destroyable")
 CHUNK = 1 << 20
 """Bytes read from a file object at a time when streaming it into a sandbox."""
+
+
+class _Destroyable(Protocol):
+    async def destroy(self) -> object: ...
+
+
+@final
+class Creating(Generic[H]):
+    """What an async ``create`` returns: ``await`` it for the sandbox's handle, or use it
+    directly in ``async with`` (the sandbox is destroyed on exit), as with the sync SDK's
+    ``with client.create() as sb``."""
+
+    def __init__(self, creation: Coroutine[object, object, H]) -> None:
+        self._creation = creation
+        self._handle: H | None = None
+
+    def __await__(self) -> Generator[object, None, H]:
+        return self._creation.__await__()
+
+    async def __aenter__(self) -> H:
+        self._handle = await self._creation
+        return self._handle
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._handle is not None:
+            await self._handle.destroy()
 
 
 def file_body(

@@ -16,7 +16,7 @@ every client method through :class:`SyncClientBase`, so the sync surface is writ
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, Generic, Self, TypeVar, final
@@ -58,6 +58,7 @@ __all__ = ["Sandbox", "Sandlot", "SyncClientBase"]
 
 #: The async client a sync facade runs: the in-process SDK or the HTTP client.
 AsyncT = TypeVar("AsyncT", "AsyncSandlot", "AsyncClient")
+T = TypeVar("T")
 
 
 @final
@@ -329,14 +330,16 @@ class SyncClientBase(Generic[AsyncT]):
         idempotency_key: str | None = None,
         **fields: object,
     ) -> Sandbox:
-        """Create a sandbox; see :meth:`AsyncSandlot.create`."""
+        """Create a sandbox; see :meth:`AsyncSandlot.create` (``with`` destroys it on exit)."""
         handle = self._loop.run(
-            self._async.create(
-                spec,
-                backend=backend,
-                on_setup_output=on_setup_output,
-                idempotency_key=idempotency_key,
-                **fields,
+            _awaited(
+                self._async.create(
+                    spec,
+                    backend=backend,
+                    on_setup_output=on_setup_output,
+                    idempotency_key=idempotency_key,
+                    **fields,
+                )
             )
         )
         return Sandbox(self, handle)
@@ -446,6 +449,10 @@ class Sandlot(SyncClientBase[AsyncSandlot]):
     def home(self) -> Path:
         """The state directory."""
         return self._async.home
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
 
 
 async def _build(

@@ -140,3 +140,52 @@ def test_doctor_json() -> None:
         "state directory",
         "database",
     }
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("create", "--port", "abc", "--json"),
+        ("exec", "--json"),
+        ("list", "--bogus", "--json"),
+    ],
+)
+def test_a_usage_error_with_json_is_a_json_error(args: tuple[str, ...]) -> None:
+    """Issue 13 item 16: usage errors printed usage text even with --json."""
+    proc = sandlot(*args)
+    assert proc.returncode == 2
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == "usage"
+    assert error["message"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_api_keys_list_shows_whole_ids_on_a_narrow_terminal() -> None:
+    made = json.loads(
+        sandlot("api-keys", "create", "--tenant", "acme", "--json", check=True).stdout
+    )
+    key_id = made["info"]["id"] if "info" in made else made["id"]
+    env_narrow = {**os.environ, "SANDLOT_BACKEND": "fake", "COLUMNS": "60"}
+    listed = subprocess.run(
+        [*SANDLOT, "api-keys", "list"], capture_output=True, text=True, env=env_narrow, timeout=60
+    )
+    assert key_id in listed.stdout
+    assert sandlot("api-keys", "revoke", key_id).returncode == 0
+
+
+def test_a_retried_exec_prints_the_output_again() -> None:
+    sid = json.loads(sandlot("create", "--json", check=True).stdout)["id"]
+    first = sandlot("exec", "--idempotency-key", "k-1", sid, "--", "echo", "once")
+    again = sandlot("exec", "--idempotency-key", "k-1", sid, "--", "echo", "once")
+    assert (first.returncode, first.stdout) == (0, "once\n")
+    assert (again.returncode, again.stdout) == (0, "once\n")
+
+
+def test_a_running_sandbox_shows_no_stale_cause_of_death() -> None:
+    sid = json.loads(sandlot("create", "--json", check=True).stdout)["id"]
+    sandlot("stop", sid, check=True)
+    sandlot("resume", sid, check=True)
+    shown = sandlot("get", sid, check=True).stdout
+    assert "running" in shown
+    assert "cause" not in shown
+    assert json.loads(sandlot("get", sid, "--json", check=True).stdout)["death"] is None

@@ -35,6 +35,7 @@ def _public(cls: type) -> dict[str, object]:
 def _sync_text(annotation: str) -> str:
     text = annotation.replace("AsyncIterator", "Iterator").replace("AsyncSandbox", "Sandbox")
     text = text.replace("AsyncIterable", "Iterable")
+    text = re.sub(r"^Creating\[(.*)\]$", r"\1", text)
     text = re.sub(r"\bAsyncTerminal\b", "Terminal", text)
     return re.sub(r"\bAsyncSandlot\b", "Sandlot", text)
 

@@ -994,6 +994,30 @@ def reconcile(
     raise typer.Exit(1 if failed else 0)
 
 
+def _main_json() -> int:
+    """Run with ``--json``: a usage error is a JSON error object too (exit 2), as every other
+    error is, rather than usage text a script cannot read."""
+    usage_errors: tuple[type[Exception], ...]
+    try:
+        from typer._click.exceptions import ClickException  # typer vendors click
+
+        usage_errors = (ClickException,)
+    except ImportError:  # pragma: no cover - an older typer on the real click
+        import click
+
+        usage_errors = (click.ClickException,)
+    try:
+        code = app(standalone_mode=False)
+    except usage_errors as e:
+        message = e.format_message()
+        print(json.dumps({"error": {"code": "usage", "message": message, "details": {}}}))
+        return int(e.exit_code)
+    except typer.Abort:
+        print(json.dumps({"error": {"code": "aborted", "message": "aborted", "details": {}}}))
+        return 1
+    return code if isinstance(code, int) else 0
+
+
 @app.command()
 def doctor(as_json: JsonOpt = False) -> None:
     """Check which backends work on this host, and how to fix those that don't."""
@@ -1004,6 +1028,8 @@ def doctor(as_json: JsonOpt = False) -> None:
 def main() -> None:
     """The console script entry point."""
     try:
+        if "--json" in sys.argv[1:]:
+            raise SystemExit(_main_json())
         app()
     except BrokenPipeError:
         # `sandlot logs ID | head` closes the pipe early; that is not an error.

@@ -248,8 +248,12 @@ def keys_list(
         err.print("no api keys")
         return
     table = Table(box=None, pad_edge=False)
-    for col in ("ID", "PREFIX", "TENANT", "PRINCIPAL", "ADMIN", "CREATED", "REVOKED"):
-        table.add_column(col)
+    # The id is what `revoke` takes: shown whole, whatever the terminal's width (the other
+    # columns fold instead).
+    widest = max((len(k.id) for k in items), default=2)
+    table.add_column("ID", no_wrap=True, min_width=widest)
+    for col in ("PREFIX", "TENANT", "PRINCIPAL", "ADMIN", "CREATED", "REVOKED"):
+        table.add_column(col, overflow="fold")
     for k in items:
         table.add_row(
             k.id,

@@ -86,7 +86,7 @@ from sandlot.server.wire import (
     content_digest,
     parse_digest,
 )
-from sandlot.shared import build_spec, file_body, split_output
+from sandlot.shared import Creating, build_spec, file_body, split_output
 from sandlot.terminal import AsyncTerminal
 
 if TYPE_CHECKING:
@@ -982,7 +982,7 @@ class AsyncClient:
 
     # -- the SDK surface ------------------------------------------------------------------
 
-    async def create(
+    def create(
         self,
         spec: SandboxSpec | Mapping[str, JsonValue] | None = None,
         *,
@@ -990,18 +990,29 @@ class AsyncClient:
         on_setup_output: OutputCallback | None = None,
         idempotency_key: str | None = None,
         **fields: object,
-    ) -> AsyncRemoteSandbox:
-        """Create a sandbox from a spec and/or spec fields (``image=``, ``setup=``, …).
+    ) -> Creating[AsyncRemoteSandbox]:
+        """Create a sandbox from a spec and/or spec fields (``image=``, ``setup=``, …):
+        ``sb = await client.create(…)``, or ``async with client.create(…) as sb:`` to destroy
+        it on exit.
 
         Raises ``InvalidRequest`` naming the bad field, ``NotSupported`` when the backend
         cannot enforce what the spec asks, ``ExecFailed`` when setup fails (the sandbox is then
-        ``failed`` and kept for inspection), ``QuotaExceeded`` when the tenant stayed at its
-        limit until the server's admission deadline.
+        ``failed`` and kept for inspection; the error's ``sandbox_id`` names it),
+        ``QuotaExceeded`` when the tenant stayed at its limit until the server's admission
+        deadline.
         """
         full = build_spec(spec, fields)
         body: dict[str, object] = {"spec": full.model_dump(mode="json"), "backend": backend}
         if full.git is not None and full.git.auth:
             body["git_auth"] = full.git.auth
+        return Creating(self._create(body, on_setup_output, idempotency_key))
+
+    async def _create(
+        self,
+        body: Mapping[str, object],
+        on_setup_output: OutputCallback | None,
+        idempotency_key: str | None,
+    ) -> AsyncRemoteSandbox:
         # Without a key of the caller's, one of our own: if this call is interrupted (Ctrl-C,
         # a cancelled task) the server still finishes the creation, and the key is how we
         # find what it made and destroy it, so nothing is left that nobody knows of.

@@ -159,12 +159,12 @@ class SandboxHandle(Protocol):
 class SandlotApi(Protocol):
     """What the tools use of the SDK (``AsyncSandlot`` and ``AsyncClient``)."""
 
-    async def create(
+    def create(
         self,
         spec: SandboxSpec | None = None,
         *,
         backend: str | None = None,
-    ) -> SandboxHandle:
+    ) -> Awaitable[SandboxHandle]:
         """Create a sandbox."""
         ...
 

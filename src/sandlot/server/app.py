@@ -407,7 +407,12 @@ async def _run_job(
 
 
 class _BodyLimit:
-    """Refuse request bodies over the limit with 413, before reading them when possible."""
+    """Refuse request bodies over the limit with 413, before reading them when possible.
+
+    The limit is on file content: a raw upload's body is the content, while a JSON body carries
+    it in base64 (4/3 as long, plus the rest of the request), so each is allowed what that same
+    content takes, and both refusals name the one configured limit.
+    """
 
     def __init__(self, app: ASGIApp, limit: Callable[[], int]) -> None:
         self.app = app
@@ -417,11 +422,13 @@ class _BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit()
+        content_limit = self.limit()
+        raw = str(scope.get("path", "")).endswith("/files/content")
+        limit = content_limit if raw else content_limit * 4 // 3 + 65536
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                msg = f"the request body is {int(value)} bytes, over this server's limit of {limit} bytes"
-                await _problem(PayloadTooLarge(msg, limit=limit))(scope, receive, send)
+                msg = _too_large(content_limit, int(value), raw=raw)
+                await _problem(PayloadTooLarge(msg, limit=content_limit))(scope, receive, send)
                 return
         seen = 0
 
@@ -431,11 +438,18 @@ class _BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    msg = f"the request body is over this server's limit of {limit} bytes"
-                    raise PayloadTooLarge(msg, limit=limit)
+                    msg = _too_large(content_limit, None, raw=raw)
+                    raise PayloadTooLarge(msg, limit=content_limit)
             return message
 
         await self.app(scope, limited, send)
+
+
+def _too_large(limit: int, size: int | None, *, raw: bool) -> str:
+    """One wording for every upload refusal, naming the configured limit."""
+    what = "the upload" if raw else "the files in this request (as base64 JSON)"
+    how_big = f" ({size} bytes)" if size is not None and raw else ""
+    return f"{what}{how_big} is over this server's upload limit of {limit} bytes"
 
 
 class _Metrics:
@@ -526,7 +540,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.plane = plane
-    app.add_middleware(_BodyLimit, limit=lambda: cfg.max_upload_bytes * 4 // 3 + 65536)
+    app.add_middleware(_BodyLimit, limit=lambda: cfg.max_upload_bytes)
     app.add_middleware(_Metrics, metrics=lambda: plane.metrics)
 
     @app.exception_handler(SandboxError)
@@ -1128,8 +1142,7 @@ def _routes(app: FastAPI) -> None:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    msg = f"the upload is over this server's limit of {limit} bytes"
-                    raise PayloadTooLarge(msg, limit=limit)
+                    raise PayloadTooLarge(_too_large(limit, None, raw=True), limit=limit)
                 digest.update(chunk)
                 await anyio.to_thread.run_sync(spool.write, chunk)
             if expected is not None and expected != digest.digest():
@@ -1165,6 +1178,9 @@ def _routes(app: FastAPI) -> None:
             except ValueError:
                 msg = f"content of {f.path} must be base64"
                 raise InvalidRequest(msg) from None
+        limit = plane.config.max_upload_bytes
+        if sum(len(b) for b in files.values()) > limit:
+            raise PayloadTooLarge(_too_large(limit, None, raw=False), limit=limit)
         return _json(
             await plane.manager.write_files(
                 sandbox_id, files, actor=actor, mode=body.mode, idempotency_key=key

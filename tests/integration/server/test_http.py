@@ -351,3 +351,46 @@ def test_metrics(server: ServerThread, tenant_key: str) -> None:
     assert 'sandlot_exec_duration_seconds_count{outcome="error"}' in text
     assert 'sandlot_policy_decisions_total{outcome="deny"}' in text
     assert 'route="/v1/sandboxes/{sandbox_id}/execs"' in text
+
+
+def test_every_upload_route_names_the_one_configured_limit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 16: with --max-upload-mb 1 a raw upload said 1463637 bytes (the JSON
+    allowance) or 1048576 bytes, depending on how it was sent."""
+    import base64
+
+    from sandlot.server import ServerConfig
+    from sandlot.server.testing import ServerThread
+    from sandlot.testing import FakeBackend
+
+    config = ServerConfig(sweep_interval=None, max_upload_bytes=1 << 20)
+    with ServerThread(tmp_path / "srv", backends={"fake": FakeBackend()}, config=config) as srv:
+        key = srv.new_key("acme")
+        with Client(srv.url, key) as c:
+            sb = c.create()
+        auth = {"Authorization": f"Bearer {key}"}
+        url = f"{srv.url}/v1/sandboxes/{sb.id}"
+        body = b"x" * 2_000_000
+
+        def chunked():  # type: ignore[no-untyped-def]
+            yield body[:1_000_000]
+            yield body[1_000_000:]
+
+        answers = [
+            httpx.put(f"{url}/files/content", params={"path": "/w/a"}, content=body, headers=auth),
+            httpx.put(
+                f"{url}/files/content", params={"path": "/w/a"}, content=chunked(), headers=auth
+            ),
+            httpx.post(
+                f"{url}/files",
+                json={
+                    "files": [
+                        {"path": "/w/b", "content": base64.b64encode(b"y" * 1_100_000).decode()}
+                    ]
+                },
+                headers=auth,
+            ),
+        ]
+        for r in answers:
+            assert r.status_code == 413, r.text
+            assert r.json()["details"]["limit"] == 1 << 20
+            assert "upload limit of 1048576 bytes" in r.json()["detail"]

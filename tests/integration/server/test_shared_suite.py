@@ -279,3 +279,14 @@ async def test_a_failed_create_names_the_sandbox_it_left(api: Api) -> None:
     assert failed.value.sandbox_id == sb.id
     assert sb.id in str(failed.value)
     assert failed.value.details["kept_until"]
+
+
+async def test_async_with_create_destroys_on_exit(api: Api) -> None:
+    """Issue 13 item 16: ``async with client.create()`` needed ``async with await``."""
+    client, _ = api
+    async with client.create(labels={"suite": "async-with"}) as sb:
+        assert (await sb.exec("echo in")).stdout == "in\n"
+    (gone,) = await client.list(labels={"suite": "async-with"}, include_destroyed=True)
+    assert gone.status is S.DESTROYED
+    handle = await client.create()  # awaiting it still gives the handle
+    assert handle.status is S.RUNNING
