@@ -189,3 +189,34 @@ def test_a_running_sandbox_shows_no_stale_cause_of_death() -> None:
     assert "running" in shown
     assert "cause" not in shown
     assert json.loads(sandlot("get", sid, "--json", check=True).stdout)["death"] is None
+
+
+def test_ctrl_c_during_create_leaves_nothing() -> None:
+    """Issue 13 item 2: Ctrl-C late in a create left a running sandbox nobody was told of."""
+    import signal
+    import time
+
+    env = {**os.environ, "SANDLOT_BACKEND": "fake", "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [*SANDLOT, "create", "--setup", "sleep 30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        listed = sandlot("list", "--all", "--json")
+        if listed.returncode == 0 and json.loads(listed.stdout):
+            break  # the record exists: the create is under way
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert "Traceback" not in err
+    (record,) = json.loads(sandlot("list", "--all", "--json", check=True).stdout)
+    assert record["status"] == "destroyed"
+    assert record["death"]["cause"] == "interrupted"
+    assert out == ""
