@@ -233,6 +233,56 @@ class NetworkAllowlist(_Model):
 NetworkPolicy: TypeAlias = Literal["allow-all", "deny-all"] | NetworkAllowlist
 """``"allow-all"`` (default), ``"deny-all"`` (loopback only) or an allowlist."""
 
+_PEM_BLOCK = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.DOTALL)
+# Each one is a few hundred bytes in every record and receipt of the sandbox; a whole
+# distribution bundle (about 150) belongs in the image, not in a spec.
+_MAX_CA_CERTIFICATES = 100
+
+
+def _check_certificates(values: list[str]) -> list[str]:
+    """One canonical PEM certificate per item, in order, without duplicates."""
+    if not values:
+        return values
+    # Imported here: cryptography's X.509 module costs every process that imports the models
+    # (the CLI, each command) about 30 ms, and only specs with certificates need it.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    out: list[str] = []
+    seen: set[bytes] = set()
+    for i, text in enumerate(values):
+        blocks = list(_PEM_BLOCK.finditer(text))
+        if not blocks:
+            msg = f"entry {i}: no PEM certificate in it (expected a BEGIN CERTIFICATE block)"
+            raise ValueError(msg)
+        for block in blocks:
+            kind = block.group(1)
+            if kind != "CERTIFICATE":
+                # Refused rather than dropped: a key pasted with its certificate would
+                # otherwise be stored with the spec and signed into receipts.
+                what = "a private key" if "PRIVATE KEY" in kind else f"a {kind} block"
+                msg = f"entry {i}: it holds {what}; give only certificates (BEGIN CERTIFICATE)"
+                raise ValueError(msg)
+        for n, block in enumerate(blocks):
+            try:
+                cert = x509.load_pem_x509_certificate(block.group(0).encode())
+            except ValueError as e:
+                why = str(e).split(":", 1)[0]  # the rest is the parser's internal state
+                msg = f"entry {i}: certificate {n} in it is not valid X.509 ({why})"
+                raise ValueError(msg) from None
+            fingerprint = cert.fingerprint(hashes.SHA256())
+            if fingerprint not in seen:
+                seen.add(fingerprint)
+                out.append(cert.public_bytes(Encoding.PEM).decode())
+    if len(out) > _MAX_CA_CERTIFICATES:
+        msg = (
+            f"at most {_MAX_CA_CERTIFICATES} certificates, got {len(out)}: give only the CAs "
+            "the sandbox lacks (its distribution's own are trusted already)"
+        )
+        raise ValueError(msg)
+    return out
+
 
 class SandboxSpec(_Model):
     """What a sandbox should be. Every field is optional; defaults give a working sandbox."""
@@ -268,6 +318,9 @@ class SandboxSpec(_Model):
     """Who owns the sandbox (a user or agent name)."""
     backend_options: dict[str, dict[str, JsonValue]] = Field(default_factory=dict)
     """Per-backend options, keyed by backend name (``{"local": {"isolation": "gvisor"}}``)."""
+    ca_certificates: list[str] = Field(default_factory=list)
+    """Extra CA certificates (PEM text) the sandbox trusts, added to its system trust at create
+    (see docs/network.md); stored one canonical certificate per item."""
 
     @field_validator("workdir")
     @classmethod
@@ -303,6 +356,11 @@ class SandboxSpec(_Model):
             msg = f"must be a positive number of seconds, got {v}"
             raise ValueError(msg)
         return v
+
+    @field_validator("ca_certificates")
+    @classmethod
+    def _ca_certificates(cls, v: list[str]) -> list[str]:
+        return _check_certificates(v)
 
     @field_validator("labels")
     @classmethod
