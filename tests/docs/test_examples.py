@@ -59,12 +59,7 @@ BIN = Path(sys.executable).parent
 MAX_SKIPS = 5
 """Skips stay rare: a new one must be argued for here."""
 
-KNOWN_DEFECTS: dict[tuple[str, str], str] = {
-    (
-        "README.md",
-        "sandlot exec sb-3f9c2a7d1e04 -- sh -c 'cd /tmp && /bin/rm --recursive --force /'",
-    ): "issue 13, the policy denial wording (the README shows the message as it was)",
-}
+KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
 """(page, the start of a command as written) -> the issue item fixing it."""
 
 ID = r"(?:sb|snap|fork|ak)-[0-9a-f]{12}"

@@ -13,6 +13,8 @@ import sys
 import termios
 import time
 
+import pytest
+
 SANDLOT = [sys.executable, "-m", "sandlot"]
 
 
@@ -118,6 +120,7 @@ def test_through_a_server_the_command_ends_when_the_program_does(tmp_path) -> No
         made = subprocess.run(
             [*SANDLOT, "create"], capture_output=True, text=True, env=env, timeout=60
         )
+        assert made.returncode == 0, made.stderr
         sid = made.stdout.strip()
         master, slave = os.openpty()
         proc = subprocess.Popen(
@@ -130,8 +133,13 @@ def test_through_a_server_the_command_ends_when_the_program_does(tmp_path) -> No
         )
         os.close(slave)
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while termios.tcgetattr(master)[3] & termios.ECHO:
+                if proc.poll() is not None:
+                    os.set_blocking(master, False)
+                    pytest.fail(
+                        f"sandlot shell exited {proc.returncode}: {os.read(master, 4096)!r}"
+                    )
                 assert time.monotonic() < deadline, "the terminal never went raw"
                 time.sleep(0.02)
             os.write(master, b"exit 5\r")
