@@ -65,13 +65,9 @@ def _read_until(fd: int, needle: bytes, timeout: float = 30) -> bytes:
     return seen
 
 
-def test_on_a_real_terminal_raw_mode_and_window_size_follow() -> None:
-    sid = _create()
-    master, slave = os.openpty()
-    _set_size(slave, 20, 70)
-    env = _env()
-    env.pop("LINES", None)
-    env.pop("COLUMNS", None)
+def _shell_on(master: int, slave: int, sid: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``sandlot shell`` on a real terminal, once it has put the terminal in raw mode (typing
+    before that would be flushed by it)."""
     proc = subprocess.Popen(
         [*SANDLOT, "shell", sid],
         stdin=slave,
@@ -81,12 +77,27 @@ def test_on_a_real_terminal_raw_mode_and_window_size_follow() -> None:
         start_new_session=True,
     )
     os.close(slave)
+    deadline = time.monotonic() + 60
+    while termios.tcgetattr(master)[3] & termios.ECHO:
+        if proc.poll() is not None:
+            os.set_blocking(master, False)
+            pytest.fail(f"sandlot shell exited {proc.returncode}: {os.read(master, 4096)!r}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the terminal never went raw")
+        time.sleep(0.02)
+    return proc
+
+
+def test_on_a_real_terminal_raw_mode_and_window_size_follow() -> None:
+    sid = _create()
+    master, slave = os.openpty()
+    _set_size(slave, 20, 70)
+    env = _env()
+    env.pop("LINES", None)
+    env.pop("COLUMNS", None)
+    proc = _shell_on(master, slave, sid, env)
     try:
-        # Typing before the command put the terminal in raw mode would be flushed by it.
-        deadline = time.monotonic() + 30
-        while termios.tcgetattr(master)[3] & termios.ECHO:
-            assert time.monotonic() < deadline, "the terminal never went raw"
-            time.sleep(0.02)
         os.write(master, b"stty size\r")
         # Raw mode: the local terminal does not echo, so "stty size" shows once (the remote
         # echo) and the answer follows.
@@ -123,25 +134,8 @@ def test_through_a_server_the_command_ends_when_the_program_does(tmp_path) -> No
         assert made.returncode == 0, made.stderr
         sid = made.stdout.strip()
         master, slave = os.openpty()
-        proc = subprocess.Popen(
-            [*SANDLOT, "shell", sid],
-            stdin=slave,
-            stdout=slave,
-            stderr=slave,
-            env=env,
-            start_new_session=True,
-        )
-        os.close(slave)
+        proc = _shell_on(master, slave, sid, env)
         try:
-            deadline = time.monotonic() + 60
-            while termios.tcgetattr(master)[3] & termios.ECHO:
-                if proc.poll() is not None:
-                    os.set_blocking(master, False)
-                    pytest.fail(
-                        f"sandlot shell exited {proc.returncode}: {os.read(master, 4096)!r}"
-                    )
-                assert time.monotonic() < deadline, "the terminal never went raw"
-                time.sleep(0.02)
             os.write(master, b"exit 5\r")
             assert proc.wait(timeout=10) == 5, "the command outlived its program"
         finally:

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, final
 import anyio
 import anyio.to_thread
 
+from sandlot.backends import trust
 from sandlot.backends.base import BackendState, Capabilities, SnapshotRef
 from sandlot.backends.local import layers, oci, rootless
 from sandlot.backends.local.channel import LocalChannel, read_oom_kills
@@ -81,7 +82,7 @@ from sandlot.backends.local.mounts import (
     mount_small_tmpfs,
     umount_tree,
 )
-from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache, Storage
+from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache, Storage, trust_bundle
 from sandlot.backends.local.rootless import IdMap
 from sandlot.backends.local.runtime import (
     Crun,
@@ -107,6 +108,7 @@ from sandlot.errors import (
     VerificationFailed,
 )
 from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping, SandboxSpec
+from sandlot.taskgroups import lone_error
 
 if TYPE_CHECKING:
     from sandlot.channel.base import Channel
@@ -674,6 +676,8 @@ class LocalBackend:
         again if it is not running).
         """
         runtime = self._validate(sandbox_id, spec)
+        # Before anything is made: a bad SANDLOT_CA_CERTS fails here.
+        certificates = trust.certificates_for(spec)
         self._ensure_subreaper()
         d = self._dir(sandbox_id)
         async with self._alock(sandbox_id):
@@ -683,11 +687,11 @@ class LocalBackend:
             if d.exists():
                 # A create that crashed before writing meta.json left only empty directories.
                 await anyio.to_thread.run_sync(self._wipe_dir, d)
-            if await self._claim(sandbox_id, spec, runtime):
+            lowers = await anyio.to_thread.run_sync(self._lowers, spec, certificates)
+            if await self._claim(sandbox_id, spec, runtime, lowers):
                 return sandbox_id
-            layer = await anyio.to_thread.run_sync(self._base_layer, spec)
             meta = await anyio.to_thread.run_sync(
-                self._provision, d, sandbox_id, f"sl-{sandbox_id}", runtime, spec, [layer]
+                self._provision, d, sandbox_id, f"sl-{sandbox_id}", runtime, spec, lowers
             )
             try:
                 await self._boot(d, meta, spec, baseline=True)
@@ -700,6 +704,14 @@ class LocalBackend:
     def _base_layer(self, spec: SandboxSpec) -> Layer:
         cache = self._cache()
         return cache.image(spec.image) if spec.image else cache.skeleton()
+
+    def _lowers(self, spec: SandboxSpec, certificates: tuple[str, ...]) -> list[Layer]:
+        """The layers a new sandbox of ``spec`` sits on, top first: the trust layer of its
+        extra CAs (:func:`trust.certificates_for`), if any, over its root."""
+        base = self._base_layer(spec)
+        if not certificates:
+            return [base]
+        return [self._cache().trust_layer(base, certificates), base]
 
     def _provision(
         self,
@@ -1049,7 +1061,7 @@ class LocalBackend:
                     net = await self._networks.prepare(meta.net_key, spec.network)
             profile.append(await anyio.to_thread.run_sync(self._bundle, d, meta, spec, net))
 
-        with _lone_error():
+        with lone_error():
             async with anyio.create_task_group() as tg:
                 tg.start_soon(anyio.to_thread.run_sync, self._mount, d, meta)
                 tg.start_soon(network_and_bundle)
@@ -1167,7 +1179,7 @@ class LocalBackend:
         try:
             _bind_unix(listener, sock_path)
             listener.listen(128)
-            with _lone_error():
+            with lone_error():
                 async with anyio.create_task_group() as tg:
                     # Queued in the listen backlog until the agent accepts it.
                     tg.start_soon(connect)
@@ -1629,7 +1641,9 @@ class LocalBackend:
         if inner is None:
             inner = await self._connect(d, meta, 10.0)
         spec = meta.spec_model()
-        spec_env = dict(spec.env)
+        bundle = trust_bundle([str(lay.get("key", "")) for lay in meta.layers])
+        # The extra CAs' variables under the spec's own (a user's SSL_CERT_FILE wins).
+        spec_env = {**(trust.environment(bundle) if bundle else {}), **spec.env}
         networks, key = self._networks, meta.net_key
 
         def env() -> dict[str, str]:
@@ -1890,13 +1904,17 @@ class LocalBackend:
             return None
         if not self.pooled(isolation):
             return None
-        skeleton = await anyio.to_thread.run_sync(self._cache().skeleton)
+        try:
+            certificates = trust.certificates_for(spec)
+        except InvalidRequest:
+            return None  # the operator's setting broke since: a plain reset needs none of it
+        lowers = await anyio.to_thread.run_sync(self._lowers, spec, certificates)
         base_layers = base.get("layers")
         if not (
             isinstance(base_layers, list)
-            and len(base_layers) == 1
-            and isinstance(base_layers[0], dict)
-            and base_layers[0].get("key") == skeleton.key
+            and [lay.get("key") if isinstance(lay, dict) else None for lay in base_layers]
+            == [lay.key for lay in lowers]
+            and lowers[-1].default_root
         ):
             return None
         if self._networks is not None and meta.net_key is not None:
@@ -1914,7 +1932,7 @@ class LocalBackend:
         # cannot touch what the new sandbox holds under this id.
         _move_aside(meta, d, trash)
         try:
-            claimed = await self._claim(ref, spec, runtime)
+            claimed = await self._claim(ref, spec, runtime, lowers)
         except BaseException:
             _untrash(trash, d, ref)
             raise
@@ -2385,10 +2403,9 @@ class LocalBackend:
         name = f"{_POOL_PREFIX}{secrets.token_hex(6)}"
         d = pdir / name
         spec = SandboxSpec(network="deny-all", backend_options={"local": {"isolation": isolation}})
-        layer = await anyio.to_thread.run_sync(self._base_layer, spec)
-        meta = await anyio.to_thread.run_sync(
-            self._provision, d, name, name, runtime, spec, [layer]
-        )
+        # With the operator's CAs: a pooled sandbox serves creates that ask for no others.
+        lowers = await anyio.to_thread.run_sync(self._lowers, spec, trust.certificates_for(spec))
+        meta = await anyio.to_thread.run_sync(self._provision, d, name, name, runtime, spec, lowers)
         if self._networks is not None:
             meta.net_key = name
             meta.save(d / "meta.json")
@@ -2426,10 +2443,15 @@ class LocalBackend:
             return None
         return isolation if self._pool_sizes.get(isolation) else None
 
-    async def _claim(self, sandbox_id: str, spec: SandboxSpec, runtime: str) -> bool:
+    async def _claim(
+        self, sandbox_id: str, spec: SandboxSpec, runtime: str, lowers: list[Layer]
+    ) -> bool:
         isolation = self._poolable(spec)
         if isolation is None:
             return False
+        # The extra CAs must be the ones the pool was made with (the operator's setting may
+        # differ between the processes sharing this state directory).
+        want = [lay.key for lay in lowers[:-1]]
         d = self._dir(sandbox_id)
         claimed = False
         for name in self.pooled(isolation):
@@ -2440,6 +2462,8 @@ class LocalBackend:
             except (OSError, ValueError, TypeError):
                 continue
             if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
+                continue
+            if [lay.get("key") for lay in meta.layers[:-1]] != want:
                 continue
             if not _rename_noreplace(src, d):
                 if d.exists():
@@ -2595,22 +2619,6 @@ class LocalBackend:
 
 def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@contextlib.contextmanager
-def _lone_error() -> Iterator[None]:
-    """Let a task group's failure out as the exception it is, not as an exception group.
-
-    The steps run side by side inside ``_boot`` raise sandlot errors that callers handle by
-    type (``BackendError``, ``SandboxTimeout``); anyio wraps them in a group.
-    """
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
-            leaf = leaf.exceptions[0]
-        raise leaf from group
 
 
 def _move_aside(meta: _Meta, d: Path, trash: Path) -> None:
