@@ -16,11 +16,12 @@ from typing import Annotated
 
 import typer
 
+from sandlot.backends import trust
 from sandlot.backends.options import check_backend_options
 from sandlot.errors import InvalidRequest
 from sandlot.models import SandboxSpec, parse_model
 
-__all__ = ["parse_pairs", "spec_from_options"]
+__all__ = ["CaCertOpt", "parse_pairs", "spec_from_options"]
 
 
 def parse_pairs(values: list[str] | None, option: str) -> dict[str, str]:
@@ -149,6 +150,16 @@ OptionOpt = Annotated[
         help="Backend option BACKEND.KEY=VALUE (value parsed as JSON if it can be).",
     ),
 ]
+CaCertOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--ca-cert",
+        help=(
+            "Trust this CA inside the sandbox: a PEM file, or 'host' for the CAs this host adds "
+            "to its distribution's (/usr/local/share/ca-certificates); repeatable."
+        ),
+    ),
+]
 SpecOpt = Annotated[
     Path | None,
     typer.Option("--spec", help="A whole spec as a JSON or TOML file; options override it."),
@@ -206,6 +217,7 @@ def spec_from_options(v: dict[str, object]) -> SandboxSpec:
     put("resume", v.get("resume"))
     put("ports", v.get("port"))
     put("owner", v.get("owner"))
+    put("ca_certificates", _ca_certificates(base.get("ca_certificates"), _list(v.get("ca_cert"))))
     resources = {
         k: val
         for k, val in (
@@ -245,6 +257,26 @@ def spec_from_options(v: dict[str, object]) -> SandboxSpec:
             merged.setdefault(backend, {}).update(values)
         put("backend_options", merged)
     return parse_model(SandboxSpec, {**base, **fields})
+
+
+def _ca_certificates(from_file: object, given: list[str]) -> list[object] | None:
+    """The spec file's certificates, then each ``--ca-cert``'s, read here: a file names a path
+    on this machine, which the sandbox's host (a server) may not have."""
+    if not given:
+        return None
+    out: list[object] = list(from_file) if isinstance(from_file, list) else []
+    for item in given:
+        if item == trust.HOST:
+            out.extend(trust.host_certificates(source=f"--ca-cert {trust.HOST}"))
+            continue
+        path = Path(item).expanduser()
+        try:
+            text = path.read_text(errors="replace")
+        except OSError as e:
+            msg = f"--ca-cert {item}: cannot read it: {e.strerror or e}"
+            raise InvalidRequest(msg) from None
+        out.extend(trust.certificates_in(text, f"--ca-cert {item}"))
+    return out
 
 
 def _refuse_git_options_without_a_repository(v: dict[str, object]) -> None:

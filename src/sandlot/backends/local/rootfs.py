@@ -17,11 +17,20 @@ sharing the cache) never see half a layer; the loser of the race throws its copy
   read-only inside and marked ``EXTERNALLY-MANAGED`` (PEP 668), so without it the first
   ``pip install`` a user types fails; in the venv it installs into the sandbox's writable layer
   and can never reach the host. ``pip`` there is the host's (Debian package ``python3-pip``).
+- A *trust layer* (:meth:`RootfsCache.trust_layer`) goes over a sandbox's root when it trusts
+  extra CAs (:mod:`sandlot.backends.trust`): the root's bundle with them appended and, in an
+  image with Debian's ``/usr/local/share/ca-certificates``, a file for each; for a root without
+  Debian's bundle, ``/etc/sandlot/ca-certificates.crt``. Its directories copy the root's own
+  (owner, mode: the top layer's decide what the sandbox sees), and it is keyed by the root's key
+  and the certificates, so a fork or snapshot keeps it like any lower layer. The default root's
+  bundle is a copy of the host's, so it starts with whatever the host trusts; its ``/usr`` is
+  the host's, so it gets no per-certificate files.
 - An *image* is a directory, a rootfs tarball (``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.xz``,
   ``.tar.zst``) or an OCI image layout (``oci:PATH:TAG``, unpacked with ``umoci``). It is
   copied or unpacked once into ``<cache>/local/images/<key>``, keyed by its content.
 
-This module imports only :mod:`sandlot.errors` and the standard library.
+This module imports only :mod:`sandlot.errors`, :mod:`sandlot.backends.trust` and the standard
+library.
 """
 
 from __future__ import annotations
@@ -37,12 +46,29 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandlot.backends import trust
 from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest
 
-__all__ = ["DEFAULT_ROOT_ENV", "DEFAULT_VENV", "HOSTNAME", "Layer", "RootfsCache", "Storage"]
+__all__ = [
+    "DEFAULT_ROOT_ENV",
+    "DEFAULT_VENV",
+    "HOSTNAME",
+    "TRUST_KEY_PREFIX",
+    "Layer",
+    "RootfsCache",
+    "Storage",
+    "trust_bundle",
+]
 
 HOSTNAME = "sandbox"
 _SKELETON_VERSION = "2"
+
+TRUST_KEY_PREFIX = "trust:"
+"""How the keys of trust layers start (a layer chain's extra CAs are found by it)."""
+# Bump when what a trust layer holds changes; part of its key.
+_TRUST_VERSION = "1"
+_TRUST_DEBIAN = "debian"  # the root's own bundle has them (Debian's layout)
+_TRUST_OWN = "own"  # sandlot's bundle has them (trust.OWN_BUNDLE)
 
 DEFAULT_VENV = "/opt/sandlot/venv"
 """The default root's Python environment (the microVM guest image has the same one)."""
@@ -201,7 +227,7 @@ class RootfsCache:
             # set-uid to the caller here, so nobody else may reach into this tree.
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.root.chmod(0o700)
-        for sub in ("images", "skeletons", "tmp", "by-file"):
+        for sub in ("images", "skeletons", "trust", "tmp", "by-file"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._skeleton: Layer | None = None
 
@@ -346,6 +372,68 @@ class RootfsCache:
         if self.storage is None:
             # A rootless caller's copies are its own already: root inside.
             _canonical_owner(dest)
+
+    # ------------------------------------------------------------------ extra CAs
+
+    def trust_layer(self, base: Layer, certificates: tuple[str, ...]) -> Layer:
+        """The layer that adds ``certificates`` to ``base``'s system trust, built on first use.
+
+        Its key says where the bundle is inside (:func:`trust_bundle`), so a chain of layers
+        rebuilt from a snapshot's manifest (paths and keys) still knows it.
+
+        Raises:
+            BackendError: ``base``'s files could not be read or the layer not written.
+        """
+        debian = _is(base.path / _place_in(base.path, trust.DEBIAN_BUNDLE), stat.S_IFREG)
+        digest = _digest("trust", _TRUST_VERSION, base.key, *certificates)[:32]
+        dest = self.root / "trust" / digest
+        if not dest.is_dir():
+            self._publish(dest, lambda tmp: self._build_trust(tmp, base, certificates, debian))
+        kind = _TRUST_DEBIAN if debian else _TRUST_OWN
+        return Layer(dest, f"{TRUST_KEY_PREFIX}{kind}:{digest}")
+
+    def _build_trust(
+        self, tmp: Path, base: Layer, certificates: tuple[str, ...], debian: bool
+    ) -> None:
+        root = base.path
+        files: dict[str, bytes] = {}
+        if debian:
+            bundle = _place_in(root, trust.DEBIAN_BUNDLE)
+            files[bundle] = trust.merge_bundle(_read_bytes(root / bundle), certificates)
+            # The default root's /usr is the host's, bound over whatever a layer holds there.
+            local = _place_in(root, trust.DEBIAN_CA_DIR)
+            if not base.default_root and _is(root / local, stat.S_IFDIR):
+                for pem in certificates:
+                    files[f"{local}/sandlot/{trust.file_name(pem)}"] = pem.encode()
+        else:
+            start = None
+            for candidate in trust.OTHER_BUNDLES:
+                found = _place_in(root, candidate)
+                if _is(root / found, stat.S_IFREG):
+                    start = _read_bytes(root / found)
+                    break
+            files[_place_in(root, trust.OWN_BUNDLE)] = trust.merge_bundle(start, certificates)
+        ancestors = sorted({str(p) for rel in files for p in Path(rel).parents} - {"."})
+        existing = [p for p in ancestors if _is(root / p, stat.S_IFDIR)]
+        if existing:
+            # The directories as the root has them (owners, modes): in an overlay, the top
+            # layer holding a directory decides its metadata. Through tar, so that a rootless
+            # layer's owners (subordinate ids) are kept as well.
+            keep = ["--numeric-owner"]
+            if self.storage is not None and not self.storage.full:
+                keep = ["--no-same-owner"]
+            _pipe(
+                [*self._wrap, "tar", "-C", str(root), "-c", "--no-recursion", "-f", "-", *existing],
+                [*self._wrap, "tar", "-C", str(tmp), "-x", "-p", *keep, "-f", "-"],
+                "copy the root's certificate directories",
+            )
+        for rel, data in sorted(files.items()):
+            path = tmp / rel
+            # Only directories are in tmp (copied ones are real directories), so no symlink
+            # can take this write outside the layer.
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+            path.write_bytes(data)
+            path.chmod(0o644)
 
     # ------------------------------------------------------------------ images
 
@@ -535,6 +623,67 @@ class RootfsCache:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def trust_bundle(keys: list[str]) -> str | None:
+    """Where, inside a sandbox on layers with these keys, the bundle with its extra CAs is
+    (None: it has none)."""
+    for key in keys:
+        kind, _, _ = key.removeprefix(TRUST_KEY_PREFIX).partition(":")
+        if key.startswith(TRUST_KEY_PREFIX):
+            return trust.DEBIAN_BUNDLE if kind == _TRUST_DEBIAN else trust.OWN_BUNDLE
+    return None
+
+
+def _place_in(root: Path, path: str) -> str:
+    """Where ``path`` is, or would be made, in the tree at ``root``, relative to it: its
+    symlinks followed as they would be inside (an absolute target starts again at ``root``,
+    ``..`` stops there), so that nothing written there can land outside ``root``. A symlink
+    loop leaves the path as it is (writing there then fails on the loop)."""
+    todo = [p for p in path.split("/") if p]
+    done: list[str] = []
+    hops = 0
+    missing = False
+    while todo:
+        part = todo.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        if not missing:
+            here = root.joinpath(*done, part)
+            try:
+                st = here.lstat()
+            except OSError:
+                missing = True  # nothing below can be a symlink
+            else:
+                if stat.S_ISLNK(st.st_mode) and hops < 40:  # 40: the kernel's loop limit
+                    hops += 1
+                    target = str(here.readlink())
+                    if target.startswith("/"):
+                        done = []
+                    todo = [p for p in target.split("/") if p] + todo
+                    continue
+        done.append(part)
+    return "/".join(done)
+
+
+def _is(path: Path, kind: int) -> bool:
+    """Whether ``path`` is itself (not through a symlink) a file of ``kind`` (``S_IFREG``…)."""
+    try:
+        return stat.S_IFMT(path.lstat().st_mode) == kind
+    except OSError:
+        return False
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        msg = f"cannot read {path} to add CA certificates to it: {e.strerror or e}"
+        raise BackendError(msg) from e
 
 
 def _walk(top: Path) -> list[Path]:
