@@ -108,6 +108,7 @@ import anyio
 import anyio.abc
 
 from sandlot import config
+from sandlot.backends import trust
 from sandlot.backends.base import BackendState, Capabilities, DoctorCheck, SnapshotRef
 from sandlot.backends.microvm import qemu
 from sandlot.backends.microvm.channel import NetworkEnvChannel
@@ -118,6 +119,7 @@ from sandlot.backends.microvm.image import (
     ImagePaths,
     load_image,
     resolve_image,
+    with_trust,
 )
 from sandlot.backends.microvm.qmp import QmpClient, connect_unix
 from sandlot.backends.options import check_backend_options
@@ -272,6 +274,10 @@ class _VmRecord:
     net_mode: NetMode = "none"
     egress_socket: str | None = None
     """The unix socket QEMU forwards the proxy address to (``proxy`` mode)."""
+    trust: list[str] = field(default_factory=list)
+    """Extra CA certificates (PEM) the guest trusts: part of its machine's image key."""
+    trust_bundle: str | None = None
+    """Where, in the guest, the bundle with them is (None: no extra CAs)."""
 
     @classmethod
     def load(cls, path: Path) -> _VmRecord:
@@ -487,7 +493,7 @@ class MicrovmBackend:
 
     def _machine(self, rec: _VmRecord) -> qemu.MachineConfig:
         return qemu.MachineConfig(
-            load_image(Path(rec.image)),
+            with_trust(load_image(Path(rec.image)), tuple(rec.trust)),
             rec.memory_mb,
             rec.vcpus,
             rec.accel,
@@ -523,7 +529,10 @@ class MicrovmBackend:
                 raise NotSupported(msg)
 
     def _machine_for(self, spec: SandboxSpec) -> qemu.MachineConfig:
+        # First: a bad SANDLOT_CA_CERTS fails before any image work.
+        certificates = trust.certificates_for(spec)
         image = resolve_image(spec.image, self._cache) if spec.image else self._default_image()
+        image = with_trust(image, certificates)
         memory = spec.resources.memory_mb or DEFAULT_MEMORY_MB
         if memory < 128:
             msg = "resources.memory_mb must be at least 128 for a microvm"
@@ -760,8 +769,13 @@ class MicrovmBackend:
             else _Launch()
         )
         channel = await self._cold_boot(work, machine, disk, ram, net)
+        bundle: str | None = None
         async with await self._qmp(work) as q:
             try:
+                if machine.image.trust:
+                    # Here, once per set of CAs, rather than in every clone: what a clone
+                    # starts with is its baseline, which resets and verification return to.
+                    bundle = await _install_trust(channel, machine.image.trust)
                 # Every clone starts with this page cache: the common programs are in it, so a
                 # clone's first command reads nothing from disk (under TCG the block I/O path
                 # costs a clone ~40 ms of code translation the first time it runs).
@@ -781,7 +795,13 @@ class MicrovmBackend:
             "template", "", _sha256(disk), fd_count, "running", fd_source=fd_source
         )
         (work / "template.json").write_text(
-            json.dumps({"baseline": asdict(baseline), "fingerprint": machine.fingerprint()})
+            json.dumps(
+                {
+                    "baseline": asdict(baseline),
+                    "fingerprint": machine.fingerprint(),
+                    "trust_bundle": bundle,
+                }
+            )
         )
 
     # ----------------------------------------------------------------- restore paths
@@ -855,13 +875,15 @@ class MicrovmBackend:
         return channel, disk_hash
 
     def _baseline_of(self, source: Path) -> _Baseline:
-        meta = source / (
-            "template.json" if (source / "template.json").exists() else "snapshot.json"
-        )
-        raw = json.loads(meta.read_text())["baseline"]
+        raw = _manifest_of(source)["baseline"]
         base = _Baseline(**raw)
         base.dir = str(source)
         return base
+
+    def _trust_bundle_of(self, source: Path) -> str | None:
+        """Where the guest's bundle with its extra CAs is, in a template or snapshot."""
+        bundle = _manifest_of(source).get("trust_bundle")
+        return bundle if isinstance(bundle, str) else None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -895,6 +917,8 @@ class MicrovmBackend:
                         self._baseline_of(tdir),
                         net_mode=mode,
                         egress_socket=socket,
+                        trust=list(machine.image.trust),
+                        trust_bundle=self._trust_bundle_of(tdir),
                     )
                     await self._prepare_network(sandbox_id, mode, spec.network, socket)
                     if spec.workdir != _WORKDIR:
@@ -950,6 +974,8 @@ class MicrovmBackend:
                     self._baseline_of(tdir),
                     net_mode=mode,
                     egress_socket=socket,
+                    trust=list(machine.image.trust),
+                    trust_bundle=self._trust_bundle_of(tdir),
                 )
                 rec.save(vm_dir / "vm.json")
             except BaseException:
@@ -1166,9 +1192,12 @@ class MicrovmBackend:
             msg = f"microvm {ref} is not running"
             raise InvalidState(msg)
         inner = await self._agent(ref, vm_dir)
+        # The extra CAs' variables: the agent's own environment was fixed when the template
+        # booted. Under the network's and the caller's (whose own SSL_CERT_FILE wins).
+        ca_env = trust.environment(rec.trust_bundle) if rec.trust_bundle else {}
         if rec.net_mode == "none":
-            return inner
-        return NetworkEnvChannel(inner, lambda: self._guest_env(rec))
+            return NetworkEnvChannel(inner, lambda: ca_env) if ca_env else inner
+        return NetworkEnvChannel(inner, lambda: {**ca_env, **self._guest_env(rec)})
 
     # ----------------------------------------------------------------- network control
 
@@ -1267,6 +1296,9 @@ class MicrovmBackend:
                     "vcpus": rec.vcpus,
                     "accel": rec.accel,
                     "nic": rec.net_mode != "none",
+                    # Its disk and memory hold the guest's extra CAs: a fork keeps them.
+                    "trust": list(rec.trust),
+                    "trust_bundle": rec.trust_bundle,
                 }
                 (work / "snapshot.json").write_text(json.dumps(meta))
                 work.rename(sdir)
@@ -1309,6 +1341,7 @@ class MicrovmBackend:
             )
             raise NotSupported(msg, field="network")
         accel = meta["accel"]
+        certificates = meta.get("trust")
         return _VmRecord(
             sandbox_id,
             str(meta["image"]),
@@ -1318,6 +1351,8 @@ class MicrovmBackend:
             self._baseline_of(sdir),
             net_mode=net_mode,
             egress_socket=egress_socket,
+            trust=[str(c) for c in certificates] if isinstance(certificates, list) else [],
+            trust_bundle=self._trust_bundle_of(sdir),
         )
 
     async def restore(self, ref: str, snapshot: SnapshotRef, spec: SandboxSpec) -> None:
@@ -1657,6 +1692,50 @@ class MicrovmBackend:
             VerificationCheck("guest_fds", str(base.fd_count), fds),
         )
         return VerificationReport(checks, (time.perf_counter() - started) * 1000)
+
+
+def _manifest_of(source: Path) -> dict[str, Any]:
+    """A template's or snapshot's JSON record."""
+    meta = source / ("template.json" if (source / "template.json").exists() else "snapshot.json")
+    raw = json.loads(meta.read_text())
+    if not isinstance(raw, dict):
+        msg = f"{meta} is not a JSON object"
+        raise BackendError(msg)
+    return raw
+
+
+async def _install_trust(channel: Channel, certificates: tuple[str, ...]) -> str:
+    """Add ``certificates`` to a booted guest's system trust (:mod:`sandlot.backends.trust`)
+    with file operations of the agent alone; the bundle's path in the guest."""
+
+    async def read(path: str) -> bytes | None:
+        try:
+            return b"".join([chunk async for chunk in channel.read_file(path)])
+        except NotFound:
+            return None
+
+    files: dict[str, bytes] = {}
+    base = await read(trust.DEBIAN_BUNDLE)
+    debian = base is not None
+    if debian:
+        files[trust.DEBIAN_BUNDLE] = trust.merge_bundle(base, certificates)
+        try:
+            local = await channel.stat(trust.DEBIAN_CA_DIR)
+        except NotFound:
+            local = None
+        if local is not None and local.type == "dir":
+            for pem in certificates:
+                files[f"{trust.DEBIAN_CA_DIR}/sandlot/{trust.file_name(pem)}"] = pem.encode()
+    else:
+        start = None
+        for candidate in trust.OTHER_BUNDLES:
+            start = await read(candidate)
+            if start is not None:
+                break
+        files[trust.OWN_BUNDLE] = trust.merge_bundle(start, certificates)
+    for path, data in files.items():
+        await channel.write_file(path, data, mode=0o644)
+    return trust.bundle_path(debian)
 
 
 async def _remove_vm_dir(path: Path) -> None:

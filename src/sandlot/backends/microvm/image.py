@@ -5,8 +5,9 @@ This module owns building, caching and loading guest images. An image is a direc
 
     vmlinuz         the kernel (Debian's ``linux-image-cloud-amd64``, a bzImage)
     initrd.img      a gzip'd newc cpio: static busybox, the virtio modules, /init, the agent
-    rootfs.qcow2    an ext4 root filesystem (``mmdebstrap --variant=minbase`` + python3, and
-                    a virtual environment at :data:`GUEST_VENV`, active on ``PATH``)
+    rootfs.qcow2    an ext4 root filesystem (``mmdebstrap --variant=minbase`` + python3, curl
+                    and Debian's CA bundle, and a virtual environment at :data:`GUEST_VENV`,
+                    active on ``PATH``)
 
 Guest contract (what a user's own image must also honour): the root disk is ``/dev/vda``, the
 initramfs starts the sandlot agent (``sandlot.channel.agent``) serving the virtio-serial port
@@ -23,12 +24,14 @@ kernel and busybox, so the host's own kernel packages are untouched; ``mmdebstra
 root disk) and cached under ``cache_dir()/microvm/`` in two layers, each keyed by a hash of its
 inputs: ``rootfs-<key>/`` (suite, package list, build version: the slow ~45 s part) and
 ``image-<key>/`` (rootfs key, kernel and busybox package versions, agent hash, init script).
-Changing the agent only rebuilds the initramfs. This module must not import the store or other
-backends.
+Changing the agent only rebuilds the initramfs. Extra CA certificates (:func:`with_trust`) are
+not built into the disk: they are written into each template the backend boots for them, and
+only change the image's key. This module must not import the store or other backends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Final
 
 from sandlot import config
+from sandlot.backends import trust
 from sandlot.errors import BackendError, BackendUnavailable, InvalidRequest
 
 __all__ = [
@@ -66,6 +70,7 @@ __all__ = [
     "load_image",
     "resolve_image",
     "verify_image",
+    "with_trust",
 ]
 
 MANIFEST_FORMAT: Final = "sandlot-microvm-image/1"
@@ -73,12 +78,14 @@ PROBE_MARKER: Final = "SANDLOT-PROBE-OK"
 READY_MARKER: Final = "SANDLOT-INIT-DONE"
 
 # Bump when anything about how an image is assembled changes; it is part of both cache keys.
-BUILD_VERSION: Final = "4"
+BUILD_VERSION: Final = "5"
 
 KERNEL_META_PACKAGE: Final = "linux-image-cloud-amd64"
 BUSYBOX_PACKAGE: Final = "busybox-static"
 SUITE: Final = "bookworm"
-ROOTFS_PACKAGES: Final = ("python3", "python3-venv")
+# ca-certificates: the Debian trust layout extra CAs are added to (sandlot.backends.trust);
+# curl: the HTTPS client agents reach for first, beside Python's.
+ROOTFS_PACKAGES: Final = ("python3", "python3-venv", "ca-certificates", "curl")
 ROOTFS_SIZE: Final = "4G"
 
 # The cloud kernel builds virtio as modules; they must be loaded in dependency order
@@ -229,6 +236,19 @@ class ImagePaths:
     """The kernel command line."""
     key: str
     """A hash naming this image's content (inputs for built images, file hashes otherwise)."""
+    trust: tuple[str, ...] = ()
+    """Extra CA certificates (PEM) a guest of this image trusts, written into the templates
+    booted from it; part of :attr:`key` (see :func:`with_trust`)."""
+
+
+def with_trust(image: ImagePaths, certificates: tuple[str, ...]) -> ImagePaths:
+    """``image`` whose guests also trust ``certificates``: the same files under a key of its
+    own, so templates, pools and standbys made for it never serve another set."""
+    if not certificates:
+        return image
+    return dataclasses.replace(
+        image, trust=certificates, key=f"{image.key}+ca-{trust.key(certificates)}"
+    )
 
 
 def default_agent_path() -> Path:
