@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from sandlot.backends import trust
+from sandlot.backends.local.rootfs import Layer, RootfsCache, trust_bundle
 from sandlot.cli.spec import spec_from_options
 from sandlot.errors import InvalidRequest
 from sandlot.models import SandboxSpec, parse_model
@@ -201,3 +202,30 @@ def test_cli_ca_cert_names_the_bad_file(tmp_path: Path) -> None:
     assert str(e.value).startswith(f"--ca-cert {bad}: it holds a private key"), e.value
     with pytest.raises(InvalidRequest, match=r"--ca-cert .*nope\.pem: cannot read"):
         spec_from_options({"ca_cert": [str(tmp_path / "nope.pem")]})
+
+
+# ------------------------------------------------------------------ the local trust layer
+
+
+def test_a_trust_layer_never_follows_an_images_symlinks_out_of_it(tmp_path: Path) -> None:
+    # An image whose links name host paths: inside the sandbox they lead into the image.
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "secret.crt").write_text(CA2)
+    image = tmp_path / "image"
+    (image / "etc" / "ssl" / "certs").mkdir(parents=True)
+    (image / "etc" / "ssl" / "certs" / "ca-certificates.crt").symlink_to(host / "secret.crt")
+    (image / "etc" / "sandlot").symlink_to(host)
+    layer = RootfsCache(tmp_path / "cache").trust_layer(Layer(image, "dir:test"), (CA1,))
+    # Its bundle link leads nowhere inside, so it is no Debian layout: sandlot's own bundle,
+    # with nothing of the host file in it, written where /etc/sandlot leads inside the image.
+    assert trust_bundle([layer.key]) == trust.OWN_BUNDLE
+    written = [p for p in layer.path.rglob("*") if not p.is_dir()]
+    assert written == [layer.path / str(host).lstrip("/") / "ca-certificates.crt"], written
+    assert written[0].read_text() == CA1
+    assert not any(p.is_symlink() for p in layer.path.rglob("*"))
+    assert sorted(p.name for p in host.iterdir()) == ["secret.crt"]
+    assert (host / "secret.crt").read_text() == CA2
+    # The same image and CAs are one layer, built once.
+    again = RootfsCache(tmp_path / "cache").trust_layer(Layer(image, "dir:test"), (CA1,))
+    assert again == layer
