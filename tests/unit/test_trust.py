@@ -135,6 +135,18 @@ def test_a_bad_operator_setting_is_refused_naming_the_file(
     assert str(e.value).startswith(says.format(**paths)), e.value
 
 
+def test_doctor_reports_the_operators_setting(tmp_path: Path) -> None:
+    one = tmp_path / "one.pem"
+    one.write_text(CA1 + CA2)
+    good = trust.doctor_check({"SANDLOT_CA_CERTS": str(one)})
+    assert (good.ok, good.detail) == (True, "2 certificate(s)")
+    assert trust.doctor_check({}).detail == "none (unset)"
+    bad = trust.doctor_check({"SANDLOT_CA_CERTS": str(tmp_path / "gone.pem")})
+    assert not bad.ok
+    assert bad.detail.startswith("SANDLOT_CA_CERTS: cannot read"), bad
+    assert bad.fix == "fix or unset SANDLOT_CA_CERTS"
+
+
 def test_sandbox_trust_is_the_operators_and_the_specs_in_one_order(tmp_path: Path) -> None:
     one = tmp_path / "one.pem"
     one.write_text(CA1)

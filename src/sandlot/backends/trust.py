@@ -15,7 +15,7 @@ system trust at create, the same way:
 and every command it runs gets :func:`environment`: the variables Python, pip, requests, curl,
 git and node read, pointing at that bundle (the caller's own variables win). Nothing here runs
 ``update-ca-certificates``: it takes 25 s in a microVM under TCG, and the bundle it would write
-is the one made here. This module imports only the models and errors.
+is the one made here. This module imports only the models, errors and the backend base.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from sandlot.backends.base import DoctorCheck
 from sandlot.errors import InvalidRequest
 from sandlot.models import SandboxSpec
 
@@ -46,6 +47,7 @@ __all__ = [
     "bundle_path",
     "certificates_for",
     "certificates_in",
+    "doctor_check",
     "environment",
     "file_name",
     "fingerprint",
@@ -235,3 +237,15 @@ def bundle_path(debian_layout: bool) -> str:
 def environment(bundle: str) -> dict[str, str]:
     """The variables that make every usual TLS client of a sandbox trust ``bundle``."""
     return dict.fromkeys(ENV_VARS, bundle)
+
+
+def doctor_check(environ: Mapping[str, str] | None = None) -> DoctorCheck:
+    """What ``sandlot doctor`` says of :data:`SETTING`: the CAs every new sandbox will trust,
+    or the error every create would fail with."""
+    name = f"extra CAs for every sandbox ({SETTING})"
+    try:
+        found = operator_certificates(environ)
+    except InvalidRequest as e:
+        return DoctorCheck(name, False, e.message, f"fix or unset {SETTING}")
+    detail = f"{len(found)} certificate(s)" if found else "none (unset)"
+    return DoctorCheck(name, True, detail, required=False)
