@@ -241,3 +241,33 @@ def test_a_trust_layer_never_follows_an_images_symlinks_out_of_it(tmp_path: Path
     # The same image and CAs are one layer, built once.
     again = RootfsCache(tmp_path / "cache").trust_layer(Layer(image, "dir:test"), (CA1,))
     assert again == layer
+
+
+def test_the_cli_takes_ca_cert_on_create_and_refuses_a_file_that_is_none(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text(CA1)
+    env = {**os.environ, "SANDLOT_BACKEND": "fake", "COLUMNS": "200"}
+    cli = [sys.executable, "-m", "sandlot"]
+    made = subprocess.run(
+        [*cli, "create", "--ca-cert", str(ca), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["spec"]["ca_certificates"] == [CA1]
+    bad = subprocess.run(
+        [*cli, "create", "--ca-cert", "/etc/hostname"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert bad.returncode == 1
+    (line,) = bad.stderr.strip().splitlines()
+    assert "/etc/hostname" in line

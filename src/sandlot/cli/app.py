@@ -33,6 +33,7 @@ from sandlot.cli.doctor import run_doctor
 from sandlot.cli.spec import (
     AllowCidrOpt,
     AllowDomainOpt,
+    CaCertOpt,
     CpusOpt,
     DenyCidrOpt,
     DiskOpt,
@@ -366,6 +367,7 @@ def create(
     git_depth: GitDepthOpt = None,
     git_auth: GitAuthOpt = None,
     option: OptionOpt = None,
+    ca_cert: CaCertOpt = None,
     spec: SpecOpt = None,
     idempotency_key: KeyOpt = None,
     as_json: JsonOpt = False,
@@ -551,6 +553,7 @@ def run(
     git_revision: GitRevOpt = None,
     git_auth: GitAuthOpt = None,
     option: OptionOpt = None,
+    ca_cert: CaCertOpt = None,
     spec: SpecOpt = None,
     as_json: JsonOpt = False,
 ) -> None:

@@ -58,6 +58,9 @@ def _general(home_arg: Path | None, database: str | None) -> list[DoctorCheck]:
         return checks
     checks.append(DoctorCheck("database", True, redact_url(url)))
     checks.append(_reconcile_check(url))
+    from sandlot.backends import trust
+
+    checks.append(trust.doctor_check())
     return checks
 
 
