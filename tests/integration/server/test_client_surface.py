@@ -39,6 +39,8 @@ def _client_text(annotation: str) -> str:
 
 def _sync_text(annotation: str) -> str:
     text = annotation.replace("AsyncIterator", "Iterator").replace("AsyncRemoteSandbox", "Sandbox")
+    text = text.replace("AsyncIterable", "Iterable")
+    text = re.sub(r"^Creating\[(.*)\]$", r"\1", text)  # awaited or entered: the sync twin's value
     text = re.sub(r"\bAsyncTerminal\b", "Terminal", text)
     return re.sub(r"\bAsyncClient\b", "Client", text)
 
