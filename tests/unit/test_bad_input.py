@@ -441,7 +441,7 @@ def test_git_options_apply_to_the_spec_files_repository(tmp_path: Path) -> None:
     ("name", "value", "says"),
     [
         ("SANDLOT_NETWORK_POOL", "bogus", "SANDLOT_NETWORK_POOL must be an IPv4 network"),
-        ("SANDLOT_NETWORK_POOL", "10.9.0.0/31", "too small"),
+        ("SANDLOT_NETWORK_POOL", "10.9.0.1/16", "SANDLOT_NETWORK_POOL must be an IPv4 network"),
         ("SANDLOT_NETWORK_NAMESERVER", "bogus", "SANDLOT_NETWORK_NAMESERVER must be IP or IP:PORT"),
     ],
 )

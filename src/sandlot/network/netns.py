@@ -81,17 +81,15 @@ NETNS_DIR = Path("/run/netns")
 
 
 def configured_pool(explicit: str | None = None) -> str:
-    """The IPv4 range sandboxes' /30s are carved from: ``explicit``, else
-    ``$SANDLOT_NETWORK_POOL``, else :data:`DEFAULT_POOL`; refused unless it is one."""
+    """The IPv4 range sandboxes' /30s are carved from (and that rootless sandboxes are fenced
+    off from): ``explicit``, else ``$SANDLOT_NETWORK_POOL``, else :data:`DEFAULT_POOL`;
+    refused unless it is an IPv4 network."""
     value = explicit or os.environ.get("SANDLOT_NETWORK_POOL") or DEFAULT_POOL
     try:
         net = ipaddress.IPv4Network(value, strict=True)
     except ValueError as e:
         msg = f"SANDLOT_NETWORK_POOL must be an IPv4 network such as {DEFAULT_POOL}, got {value!r} ({e})"
         raise InvalidRequest(msg) from None
-    if net.prefixlen > 30:
-        msg = f"SANDLOT_NETWORK_POOL {value} is too small: it must hold at least one /30"
-        raise InvalidRequest(msg)
     return str(net)
 
 
