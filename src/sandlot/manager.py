@@ -28,6 +28,7 @@ import json
 import logging
 import secrets
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, TypeVar, final
 import anyio
 
 from sandlot.backends.base import Backend, NetworkControl, SnapshotRef
-from sandlot.backends.options import check_backend_options
+from sandlot.backends.options import BACKEND_OPTIONS, check_backend_options
 from sandlot.channel.base import MAIN_LOG, Channel, OutputCallback, PtySession, Stdin
 from sandlot.errors import (
     BackendError,
@@ -91,6 +92,7 @@ from sandlot.models import (
 )
 from sandlot.policy.request import Resource
 from sandlot.store.base import SandboxQuery
+from sandlot.taskgroups import lone_error
 
 if TYPE_CHECKING:
     from sandlot.gate.gate import Approval, Authorization, Gate
@@ -115,8 +117,10 @@ LAST_LINES = 20
 FAILED_KEEP = 3600.0
 """Seconds a failed creation is kept for inspection (its backend sandbox stopped) before the
 sweep destroys it, unless the sandbox's own time to live ends sooner."""
-_INSPECT_UNTIL = "inspect_until"
-"""Metadata of a failed creation: until when it is kept for inspection."""
+SWEEP_BOUND = 30.0
+"""Seconds an embedded caller's inline sweep may take at most (the rest waits for the next)."""
+_KEPT = "kept_for_inspection"
+"""Metadata marking a failed creation, kept for inspection until its ``expires_at``."""
 _CREATING = frozenset(
     {SandboxStatus.PROVISIONING, SandboxStatus.SETTING_UP, SandboxStatus.STARTING}
 )
@@ -167,6 +171,8 @@ class _Outcome:
         self.result: JsonValue = None
         """The durable result a replay of the same key returns."""
         self.final_state: str = "RESULT_RECORDED"
+        self.creating: str | None = None
+        """The sandbox a creation is making (so an interruption's record can name it)."""
 
 
 class _LeaseKeeper:
@@ -292,10 +298,8 @@ class Manager:
         """
         sb = await self._fetch(sandbox_id, actor)
         if sb.status is S.RUNNING and sb.backend_ref is not None and self._mine(sb):
-            cached = self._channels.get(sb.id)
             impl = self.backends.get(sb.backend)
-            unvouched = cached is None or cached[1].closed
-            if unvouched and impl is not None and impl.capabilities().host_local:
+            if not self._vouched(sb) and impl is not None and impl.capabilities().host_local:
                 sb = await self._checked(sb)
         return sb
 
@@ -331,13 +335,10 @@ class Manager:
         hit = self._recent.get(sandbox_id)
         if hit is not None and time.monotonic() - hit[1] < RECENT:
             sb = hit[0]
-            cached = self._channels.get(sandbox_id)
             if (
                 sb.status is S.RUNNING
                 and (actor.admin or sb.tenant == actor.tenant)
-                and cached is not None
-                and cached[0] == sb.backend_ref
-                and not cached[1].closed
+                and self._vouched(sb)
             ):
                 return sb
         return await self.get(sandbox_id, actor=actor)
@@ -501,17 +502,8 @@ class Manager:
                     await self._complete(auth, outcome, error=f"{type(e).__name__}: {e}")
                 if outcome.lease is not None:
                     recorded: BaseException = e
-                    if (
-                        not isinstance(e, SandboxError)
-                        and outcome.lease.state is IntentState.RUNNING
-                    ):
-                        # Interrupted while the command ran: whether it finished is unknown,
-                        # and a replay must say so rather than run it again.
-                        recorded = BackendUnavailable(
-                            f"interrupted ({type(e).__name__}) while running; its outcome is "
-                            "unknown and it was not run again",
-                            outcome="unknown",
-                        )
+                    if not isinstance(e, SandboxError):
+                        recorded = _interrupted(e, outcome, self.failed_keep)
                     with contextlib.suppress(SandboxError):
                         await self._jr(
                             self._journal().fail, outcome.lease, error=_encode_error(recorded)
@@ -765,8 +757,12 @@ class Manager:
         the same key is a ``Conflict``), and a crash never allocates twice.
         """
         name = backend or self.default_backend
-        # Every entry point (SDK, HTTP, MCP) refuses options nobody reads, as the CLI does.
-        check_backend_options(spec.backend_options)
+        # Every entry point (SDK, HTTP, MCP) refuses options a known backend does not take, as
+        # the CLI does; entries for backends this build does not know (a user's own, one of
+        # another deployment) are theirs to read.
+        check_backend_options(
+            {b: o for b, o in spec.backend_options.items() if b in BACKEND_OPTIONS}
+        )
         impl = self._backend(name)
         self._check_capabilities(impl, spec)
         await self._sweep_if_due()
@@ -780,6 +776,7 @@ class Manager:
         sandbox_id = "sb-" + begun.intent_id.split(":")[-1][:12] if begun else new_id("sb")
         target = Resource.for_spec(sandbox_id, spec, backend=name, tenant=actor.tenant)
         async with self._gated(actor, "sandbox.create", target, intent=begun, spec=spec) as outcome:
+            outcome.creating = sandbox_id
             try:
                 info = await self._drive(
                     [sandbox_id],
@@ -806,8 +803,8 @@ class Manager:
             return
         try:
             sb = await self.store.get(sandbox_id)
-        except NotFound:
-            return  # refused before anything was recorded
+        except SandboxError:
+            return  # refused before anything was recorded (or the store is down: say no more)
         error.details["sandbox_id"] = sb.id
         error.details["failure"] = error.message
         if sb.status is S.FAILED and sb.expires_at is not None:
@@ -819,6 +816,11 @@ class Manager:
         elif sb.status is not S.DESTROYED:
             error.message += f" (sandbox {sb.id} is {sb.status})"
 
+    async def _destroy_system(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
+        """Destroy a sandbox as sandlot's own duty, decided and receipted as such."""
+        async with self._gated(system_actor(sb.tenant), "destroy", sb, reason=cause):
+            return await self._destroy(sb, cause, message)
+
     async def _discard_interrupted(self, sandbox_id: str) -> None:
         try:
             sb = await self.store.get(sandbox_id)
@@ -827,12 +829,8 @@ class Manager:
         if sb.status is S.DESTROYED:
             return
         try:
-            async with self._gated(system_actor(sb.tenant), "destroy", sb, reason="interrupted"):
-                await self._destroy(
-                    sb,
-                    "interrupted",
-                    "its creation was interrupted; what it had made was destroyed",
-                )
+            message = "its creation was interrupted; what it had made was destroyed"
+            await self._destroy_system(sb, "interrupted", message)
         except SandboxError as e:
             # Then it stays failed, kept for inspection, and the sweep destroys it later.
             _log.warning("could not destroy interrupted creation %s: %s", sandbox_id, e)
@@ -1065,8 +1063,8 @@ class Manager:
                 outcome.lease = await self._jr(journal.advance, outcome.lease, "RUNNING")
             channel = await self._channel(sb)
             keep = collect_output or idempotency_key is not None
-            counted = None if keep else _CountedOutput(on_output)
-            result = await self._channel_call(
+            counted = _CountedOutput(on_output)
+            result = await self._while_active(
                 sb,
                 channel.exec(
                     argv,
@@ -1074,20 +1072,17 @@ class Manager:
                     env=self._env(sb, extra_env),
                     timeout=timeout,
                     stdin=stdin,
-                    on_output=on_output if counted is None else counted.feed,
+                    on_output=counted.feed,
                     collect=keep,
                 ),
             )
             outcome.exit_code = result.exit_code
+            outcome.output_hash = counted.output_hash()
             outcome.detail = {
                 "duration_ms": round(result.duration_ms, 3),
                 "timed_out": result.timed_out,
+                **counted.summary(),
             }
-            if counted is None:
-                outcome.output = (result.stdout + result.stderr).encode()
-            else:
-                # Nothing was kept to hash afterwards: each stream's hash, taken as it passed.
-                outcome.detail |= counted.summary()
             outcome.result = result.model_dump(mode="json")
         await self._touch(sb)
         if check and result.exit_code != 0:
@@ -1150,12 +1145,41 @@ class Manager:
         if not files:
             return []
         bodies = {p: d.encode() if isinstance(d, str) else d for p, d in files.items()}
+        digests = dict(digests or {})
+        spools: list[_Spool] = []
+        try:
+            if idempotency_key is not None:
+                for path, body in bodies.items():
+                    if not isinstance(body, bytes) and path not in digests:
+                        # A key remembers what was written: a stream is spooled (to disk past
+                        # a MiB) to learn its hash first, so the same key with other content is
+                        # a Conflict, never a silent replay.
+                        spools.append(spool := _Spool())
+                        digests[path] = await spool.fill(body)
+                        bodies[path] = spool
+            return await self._write_files(
+                sandbox_id, bodies, actor, mode, auto_resume, idempotency_key, digests
+            )
+        finally:
+            for spool in spools:
+                spool.close()
+
+    async def _write_files(
+        self,
+        sandbox_id: str,
+        bodies: dict[str, bytes | AsyncIterable[bytes]],
+        actor: Actor,
+        mode: int | None,
+        auto_resume: bool,
+        idempotency_key: str | None,
+        digests: Mapping[str, str],
+    ) -> builtins.list[FileInfo]:
         sb = await self._current(sandbox_id, actor)
         begun: Intent | _Replay | None = None
         if idempotency_key is not None:
             request: dict[str, JsonValue] = {
                 "sandbox_id": sb.id,
-                "files": {p: _body_identity(b, (digests or {}).get(p)) for p, b in bodies.items()},
+                "files": {p: _body_identity(b, digests.get(p)) for p, b in bodies.items()},
                 "mode": mode,
             }
             begun = await self._begin_intent(actor, "fs.write", request, idempotency_key)
@@ -1264,10 +1288,22 @@ class Manager:
         async with self._gated(actor, "stop", sb):
             return await self._stop(sb, "stopped", "stopped by request")
 
-    async def _stop(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
-        return await self._drive([sb.id], self._stop_body(sb, cause, message))
+    async def _stop(
+        self,
+        sb: SandboxInfo,
+        cause: str,
+        message: str,
+        still_due: Callable[[SandboxInfo], bool] | None = None,
+    ) -> SandboxInfo:
+        return await self._drive([sb.id], self._stop_body(sb, cause, message, still_due))
 
-    async def _stop_body(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
+    async def _stop_body(
+        self,
+        sb: SandboxInfo,
+        cause: str,
+        message: str,
+        still_due: Callable[[SandboxInfo], bool] | None = None,
+    ) -> SandboxInfo:
         sb = await self._settled(sb)
         if sb.status in (S.STOPPED, S.FAILED):
             return sb
@@ -1276,6 +1312,11 @@ class Manager:
             raise InvalidState(msg, id=sb.id)
         last = await self._last_output(sb)
         sb = await self._drain_egress(sb)
+        if still_due is not None and not still_due(sb):
+            # Checked on the very record the compare-and-set below swaps: a keep_alive after
+            # it makes that swap fail instead of being overwritten.
+            msg = f"sandbox {sb.id} is no longer due to stop"
+            raise Conflict(msg, id=sb.id)
         sb = await self._begin(sb, {S.RUNNING}, S.STOPPING)
         impl = self._backend_of(sb)
         try:
@@ -1363,7 +1404,7 @@ class Manager:
             error=None,
             death=None,
             expires_at=expiry,
-            metadata={k: v for k, v in sb.metadata.items() if k != _INSPECT_UNTIL},
+            metadata={k: v for k, v in sb.metadata.items() if k != _KEPT},
             last_active_at=utcnow(),
         )
 
@@ -1382,10 +1423,18 @@ class Manager:
         *,
         actor: Actor = LOCAL_ACTOR,
         idempotency_key: str | None = None,
+        forget_host: bool = False,
     ) -> SandboxInfo:
         """Remove the sandbox from its backend. The record stays (hidden from ``list``) with a
-        death certificate; destroying twice is fine."""
+        death certificate; destroying twice is fine.
+
+        A sandbox of another host is destroyed by that host; ``forget_host=True`` is for a host
+        that is gone for good: the record is closed (cause ``host_lost``) without reaching any
+        runtime, and should that host come back, its reconcile reaps what it still has.
+        """
         sb = await self.get(sandbox_id, actor=actor)
+        if forget_host:
+            return await self._forget(sb, actor)
         begun = await self._begin_intent(actor, "destroy", {"sandbox_id": sb.id}, idempotency_key)
         if isinstance(begun, _Replay):
             return SandboxInfo.model_validate(begun.result)
@@ -1401,6 +1450,38 @@ class Manager:
 
     async def _destroy(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
         return await self._drive([sb.id], self._destroy_body(sb, cause, message))
+
+    async def _forget(self, sb: SandboxInfo, actor: Actor) -> SandboxInfo:
+        if sb.status is S.DESTROYED:
+            return sb
+        if self._mine(sb):
+            msg = f"sandbox {sb.id} lives on this host ({self.host}): destroy it plainly"
+            raise InvalidRequest(msg, id=sb.id)
+        message = (
+            f"its host {sb.host} was given up for lost (from {self.host}); that host's "
+            "reconcile reaps whatever of it is left there"
+        )
+        async with self._gated(actor, "destroy", sb, reason="host_lost"):
+            for _ in range(50):
+                try:
+                    return await self._cas(
+                        sb,
+                        status=S.DESTROYED,
+                        transition_owner=None,
+                        transition_deadline=None,
+                        ports=[],
+                        death=DeathCertificate(
+                            cause="host_lost",
+                            message=message,
+                            last_output=sb.death.last_output if sb.death else [],
+                        ),
+                    )
+                except Conflict:
+                    sb = await self.store.get(sb.id)
+                    if sb.status is S.DESTROYED:
+                        return sb
+        msg = f"sandbox {sb.id} keeps changing; destroy gave up"
+        raise Conflict(msg)
 
     async def _destroy_body(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
         while True:
@@ -1518,10 +1599,19 @@ class Manager:
         snap = await self.store.get_snapshot(
             snapshot_id, tenant=None if actor.admin else actor.tenant
         )
+        await self._require_snapshot_here(snap)
         target = await self._snapshot_resource(snap, actor)
         async with self._gated(actor, "snapshot.delete", target, snapshot_id=snap.id):
             await self._backend(snap.backend).delete_snapshot(_snapshot_ref(snap))
             await self.store.delete_snapshot(snap.id)
+
+    async def _require_snapshot_here(self, snap: SnapshotInfo) -> None:
+        """A host-local backend's snapshot lives on the host of the sandbox it was taken
+        from: deleting or forking it elsewhere would find nothing (or drop only the record)."""
+        if not self._backend(snap.backend).capabilities().host_local:
+            return
+        with contextlib.suppress(NotFound):
+            self._require_here(await self.store.get(snap.sandbox_id))
 
     async def _snapshot_resource(self, snap: SnapshotInfo, actor: Actor) -> Resource:
         """What a snapshot operation targets: the sandbox it was taken from (which may be gone)."""
@@ -1549,6 +1639,7 @@ class Manager:
         if snap.backend != sb.backend:
             msg = f"snapshot {snap.id} is from backend {snap.backend}, sandbox is on {sb.backend}"
             raise InvalidRequest(msg)
+        await self._require_snapshot_here(snap)
         impl = self._backend_of(sb)
         if not impl.capabilities().snapshot:
             msg = f"backend {sb.backend!r} cannot restore snapshots"
@@ -1594,6 +1685,7 @@ class Manager:
         if not impl.capabilities().fork:
             msg = f"backend {snap.backend!r} cannot fork"
             raise NotSupported(msg)
+        await self._require_snapshot_here(snap)
         target = await self._snapshot_resource(snap, actor)
         async with self._gated(actor, "fork", target, snapshot_id=snap.id, count=count) as outcome:
             forked = await self._fork(snap, impl, count, actor, labels)
@@ -2131,10 +2223,13 @@ class Manager:
         ):
             return
         self._swept_at = now
-        try:
-            await self.stop_expired()  # what it could not do, it logs
-        except SandboxError as e:
-            _log.error("sweeping expired sandboxes failed: %s", e)
+        # Shielded: a caller cancelled (Ctrl-C on `sandlot list`) must not leave another
+        # sandbox half stopped; bounded, so a stuck backend does not hold up the caller long.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(SWEEP_BOUND):
+            try:
+                await self.stop_expired()  # what it could not do, it logs
+            except SandboxError as e:
+                _log.error("sweeping expired sandboxes failed: %s", e)
 
     async def _sweep(self, now: datetime, report: ReconcileReport) -> None:
         due = [
@@ -2144,45 +2239,90 @@ class Manager:
         ]
         for sb in due:
             if sb.status is S.FAILED:
-                if _INSPECT_UNTIL in sb.metadata and _past_ttl(sb, now):
-                    report.checked += 1
+                if not _past_ttl(sb, now):
+                    continue
+                report.checked += 1
+                if sb.metadata.get(_KEPT):
                     await self._discard(sb, report)
+                else:
+                    await self._stop_failed(sb, report)
                 continue
-            cause = None
-            if _past_ttl(sb, now):
-                cause, message = "ttl", _ttl_message(sb)
-            elif (
-                sb.spec.idle_timeout is not None
-                and sb.last_active_at + timedelta(seconds=sb.spec.idle_timeout) <= now
-                and sb.id not in self._busy
-            ):
-                cause, message = "idle", f"idle for more than {sb.spec.idle_timeout:g}s"
-            if cause is None:
+            if self._due(sb, now) is None:
                 continue
             report.checked += 1
             try:
-                await self._stop_system(sb, cause, message)
+                cause = await self._stop_system(sb, now)
             except (Conflict, InvalidState):
-                continue  # changed meanwhile: the next sweep sees its new state
+                continue  # changed meanwhile (kept alive, busy, stopped): the next sweep sees it
             except SandboxError as e:
                 # One sandbox that cannot be stopped must not keep the others running.
-                _log.error("could not stop sandbox %s past its %s: %s", sb.id, cause, e)
-                report.errors[sb.id] = f"could not stop it past its {cause}: {e}"
+                _log.error("could not stop sandbox %s past its TTL or idle time: %s", sb.id, e)
+                report.errors[sb.id] = f"could not stop it past its TTL or idle time: {e}"
                 continue
-            report.expired.append(sb.id)
+            if cause is not None:
+                report.expired.append(sb.id)
 
-    async def _stop_system(self, sb: SandboxInfo, cause: str, message: str) -> SandboxInfo:
-        """Stop a sandbox as sandlot's own duty (TTL, idle), decided and receipted as such."""
+    def _due(self, sb: SandboxInfo, now: datetime, *, busy: int = 0) -> tuple[str, str] | None:
+        """Why a running sandbox is due to stop (its cause and message), if it is; ``busy``
+        operations of its own in flight are the caller's (the stop itself)."""
+        if _past_ttl(sb, now):
+            return "ttl", _ttl_message(sb)
+        if (
+            sb.spec.idle_timeout is not None
+            and sb.last_active_at + timedelta(seconds=sb.spec.idle_timeout) <= now
+            and self._busy.get(sb.id, 0) <= busy
+        ):
+            return "idle", f"idle for more than {sb.spec.idle_timeout:g}s"
+        return None
+
+    async def _stop_system(self, sb: SandboxInfo, now: datetime) -> str | None:
+        """Stop a sandbox as sandlot's own duty (TTL, idle), decided and receipted as such; the
+        cause, or None when the record read again shows it is no longer due (another process
+        kept it alive or used it since the sweep listed it)."""
+        sb = await self.store.get(sb.id)
+        due = self._due(sb, now) if sb.status is S.RUNNING else None
+        if due is None:
+            return None
+        cause, message = due
         async with self._gated(system_actor(sb.tenant), "stop", sb, reason=cause):
-            return await self._stop(sb, cause, message)
+            await self._stop(
+                sb, cause, message, still_due=lambda r: self._due(r, now, busy=1) is not None
+            )
+        return cause
+
+    async def _stop_failed(self, sb: SandboxInfo, report: ReconcileReport) -> None:
+        """Stop the runtime of a failed sandbox past its TTL if it still runs (a stop that
+        failed once leaves the record failed; its processes must not run on for good)."""
+        if sb.backend_ref is None:
+            return
+        try:
+            impl = self._backend_of(sb)
+            if (await impl.inspect(sb.backend_ref)).state != "running":
+                return
+            async with self._gated(system_actor(sb.tenant), "stop", sb, reason="ttl"):
+                await impl.stop(sb.backend_ref)
+                await self._drop_channel(sb.id)
+                await self._cas(
+                    sb,
+                    status=S.STOPPED,
+                    death=DeathCertificate(
+                        cause="ttl", message=f"{_ttl_message(sb)} (it had failed: {sb.error})"
+                    ),
+                )
+        except Conflict:
+            return
+        except SandboxError as e:
+            _log.error("could not stop failed sandbox %s past its TTL: %s", sb.id, e)
+            report.errors[sb.id] = f"could not stop it past its TTL (it had failed): {e}"
+            return
+        report.expired.append(sb.id)
 
     async def _discard(self, sb: SandboxInfo, report: ReconcileReport) -> None:
         """Destroy a failed creation whose time for inspection ran out (the record stays)."""
         first = f"{sb.death.cause}: {sb.death.message}" if sb.death else (sb.error or "failed")
         message = f"failed ({first}); destroyed when its time for inspection ran out"
         try:
-            async with self._gated(system_actor(sb.tenant), "destroy", sb, reason="discard"):
-                await self._destroy(sb, "discarded", message)
+            await self._destroy_system(sb, "discarded", message)
         except (Conflict, InvalidState):
             return
         except SandboxError as e:
@@ -2256,8 +2396,12 @@ class Manager:
             return
         for sandbox_id, ref in owned.items():
             try:
-                await self.store.get(sandbox_id)
+                record = await self.store.get(sandbox_id)
             except NotFound:
+                record = None
+            # No record, or one closed while this runtime lived on (a host given up for lost
+            # that came back): nobody will ever reach it again.
+            if record is None or record.status is S.DESTROYED:
                 orphan = Resource(sandbox_id=sandbox_id, backend=name)
                 try:
                     async with self._gated(SYSTEM, "destroy", orphan, reason="orphan"):
@@ -2362,11 +2506,13 @@ class Manager:
         workdir = cwd or sb.spec.workdir
         shown = command if isinstance(command, str) else argv
         async with self._gated(actor, "exec", sb, command=shown, cwd=workdir, env=env) as outcome:
+            counted = _CountedOutput(on_output)
             result = await channel.exec(
-                argv, cwd=workdir, env=self._env(sb, env), on_output=on_output
+                argv, cwd=workdir, env=self._env(sb, env), on_output=counted.feed
             )
-            outcome.output = (result.stdout + result.stderr).encode()
+            outcome.output_hash = counted.output_hash()
             outcome.exit_code = result.exit_code
+            outcome.detail = counted.summary()
             return result
 
     async def _cas(self, sb: SandboxInfo, **patch: object) -> SandboxInfo:
@@ -2410,7 +2556,7 @@ class Manager:
                 # Marked so, the sweep destroys it at ``keep``; other failed sandboxes (a
                 # stop that failed, say) keep their files until someone decides.
                 patch["expires_at"] = keep
-                patch["metadata"] = {**current.metadata, _INSPECT_UNTIL: keep.isoformat()}
+                patch["metadata"] = {**current.metadata, _KEPT: True}
                 await self._halt_quietly(current)
             try:
                 return await self._cas(
@@ -2496,8 +2642,7 @@ class Manager:
         """Whether a ``running`` sandbox really answers: an open channel says so; otherwise
         one is opened, and if the backend says the sandbox is gone or stopped, the record is
         brought up to date (False: read it again)."""
-        cached = self._channels.get(sb.id)
-        if cached is not None and cached[0] == sb.backend_ref and not cached[1].closed:
+        if self._vouched(sb):
             return True
         try:
             await self._channel(sb)
@@ -2524,8 +2669,9 @@ class Manager:
         stopped = ""
         if sb.status is S.RUNNING and self._mine(sb):
             try:
-                await self._stop_system(sb, "ttl", _ttl_message(sb))
-                stopped = " and was stopped"
+                with anyio.CancelScope(shield=True):  # the caller's cancel must not half-stop it
+                    if await self._stop_system(sb, utcnow()) is not None:
+                        stopped = " and was stopped"
             except SandboxError as e:
                 _log.error("could not stop expired sandbox %s: %s", sb.id, e)
         msg = (
@@ -2552,17 +2698,44 @@ class Manager:
         self._require_here(sb)
         return self._backend(sb.backend)
 
+    def _vouched(self, sb: SandboxInfo) -> bool:
+        """Whether an open channel to this very backend sandbox vouches that it runs."""
+        cached = self._channels.get(sb.id)
+        return cached is not None and cached[0] == sb.backend_ref and not cached[1].closed
+
     async def _channel(self, sb: SandboxInfo) -> Channel:
         self._require_here(sb)
-        cached = self._channels.get(sb.id)
-        if cached is not None and cached[0] == sb.backend_ref and not cached[1].closed:
-            return cached[1]
+        if self._vouched(sb):
+            return self._channels[sb.id][1]
         if sb.backend_ref is None:
             msg = f"sandbox {sb.id} has no backend sandbox yet"
             raise InvalidState(msg, id=sb.id)
         channel = await self._backend_of(sb).channel(sb.backend_ref)
         self._channels[sb.id] = (sb.backend_ref, channel)
         return channel
+
+    async def _while_active(self, sb: SandboxInfo, call: Awaitable[T]) -> T:
+        """A channel call that counts as activity while it runs: with an idle timeout, a
+        command longer than it is not idle (a sweep in another process sees only the record,
+        so the record is touched now and then)."""
+        idle = sb.spec.idle_timeout
+        if idle is None:
+            return await self._channel_call(sb, call)
+        await self._touch(sb)
+        result: list[T] = []
+
+        async def keep_touching() -> None:
+            while True:
+                await anyio.sleep(max(TOUCH_EVERY, idle / 3))
+                with contextlib.suppress(SandboxError):
+                    await self.store.touch(sb.id, utcnow())
+
+        with lone_error():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(keep_touching)
+                result.append(await self._channel_call(sb, call))
+                tg.cancel_scope.cancel()
+        return result[0]
 
     async def _channel_call(self, sb: SandboxInfo, call: Awaitable[T]) -> T:
         try:
@@ -2640,7 +2813,12 @@ def _fresh(begun: Intent | _Replay | None) -> Intent | None:
 
 
 class _CountedOutput:
-    """Hashes and counts each output stream as it passes to the caller's callback."""
+    """Hashes and counts each output stream as it passes to the caller's callback: a
+    command's receipt says what it printed whether or not the output was kept.
+
+    ``output_hash`` is ``sha256("stdout:<hex>\nstderr:<hex>\n")`` over each stream's raw
+    bytes' SHA-256 (``detail.stdout`` / ``detail.stderr`` carry each hash and byte count).
+    """
 
     def __init__(self, on_output: OutputCallback | None) -> None:
         self._on_output = on_output
@@ -2661,6 +2839,10 @@ class _CountedOutput:
             for name, h in self._hashes.items()
         }
 
+    def output_hash(self) -> str:
+        both = "".join(f"{name}:{h.hexdigest()}\n" for name, h in self._hashes.items())
+        return "sha256:" + hashlib.sha256(both.encode()).hexdigest()
+
 
 async def _replay_output(result: ExecResult, on_output: OutputCallback | None) -> None:
     """A replayed command's recorded output, given to the caller's callback as it was the
@@ -2674,6 +2856,48 @@ async def _replay_output(result: ExecResult, on_output: OutputCallback | None) -
             if maybe is not None:
                 await maybe
             seq += 1
+
+
+def _interrupted(error: BaseException, outcome: _Outcome, keep: float) -> SandboxError:
+    """What a replay of an interrupted keyed operation raises (never a bare CancelledError)."""
+    assert outcome.lease is not None
+    why = f"interrupted ({type(error).__name__})"
+    if outcome.lease.state is IntentState.RUNNING:
+        # Interrupted while the command ran: whether it finished is unknown, and a replay must
+        # say so rather than run it again.
+        msg = f"{why} while running; its outcome is unknown and it was not run again"
+        return BackendUnavailable(msg, outcome="unknown")
+    sandbox_id = outcome.creating
+    if sandbox_id is not None:
+        msg = (
+            f"{why} while creating; sandbox {sandbox_id} is kept, failed, for inspection (for "
+            f"{keep / 3600:g} h at most): destroy it or resume it"
+        )
+        return InvalidState(msg, sandbox_id=sandbox_id, status="failed")
+    return BackendUnavailable(f"{why} before it ran; it was not run", outcome="not_run")
+
+
+@final
+class _Spool:
+    """A stream's bytes kept (on disk past a MiB) to be streamed again, and their hash."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.SpooledTemporaryFile(max_size=1 << 20)  # noqa: SIM115 - close()
+        self.digest = hashlib.sha256()
+
+    async def fill(self, chunks: AsyncIterable[bytes]) -> str:
+        async for chunk in chunks:
+            self.digest.update(chunk)
+            await anyio.to_thread.run_sync(self.file.write, chunk)
+        await anyio.to_thread.run_sync(self.file.seek, 0)
+        return "sha256:" + self.digest.hexdigest()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while chunk := await anyio.to_thread.run_sync(self.file.read, 1 << 20):
+            yield chunk
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def _body_identity(body: bytes | AsyncIterable[bytes], digest: str | None) -> str:

@@ -125,7 +125,9 @@ class AsyncSandbox:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.destroy()
+        # Shielded: a cancelled body is exactly when the sandbox must still go.
+        with anyio.CancelScope(shield=True):
+            await self.destroy()
 
     async def refresh(self) -> SandboxInfo:
         """Read the record again."""
@@ -316,10 +318,13 @@ class AsyncSandbox:
         self.info = await self._manager.resume(self.id, actor=self._actor)
         return self.info
 
-    async def destroy(self, *, idempotency_key: str | None = None) -> SandboxInfo:
-        """Remove it for good (the record stays, hidden, with a death certificate)."""
+    async def destroy(
+        self, *, idempotency_key: str | None = None, forget_host: bool = False
+    ) -> SandboxInfo:
+        """Remove it for good (the record stays, hidden, with a death certificate);
+        ``forget_host`` closes the record of a sandbox whose host is gone for good."""
         self.info = await self._manager.destroy(
-            self.id, actor=self._actor, idempotency_key=idempotency_key
+            self.id, actor=self._actor, idempotency_key=idempotency_key, forget_host=forget_host
         )
         return self.info
 

@@ -22,8 +22,9 @@ from collections.abc import (
     Mapping,
 )
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Generic, Protocol, TypeVar, final
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar, final
 
+import anyio
 import anyio.to_thread
 
 from sandlot.errors import InvalidRequest
@@ -45,9 +46,10 @@ class _Destroyable(Protocol):
 
 
 @final
-class Creating(Generic[H]):
-    """What an async ``create`` returns: ``await`` it for the sandbox's handle, or use it
-    directly in ``async with`` (the sandbox is destroyed on exit), as with the sync SDK's
+class Creating(Coroutine[object, object, H]):
+    """What an async ``create`` returns: a coroutine (``await`` it, or hand it to
+    ``create_task``) that gives the sandbox's handle, which can also be used directly in
+    ``async with`` (the sandbox is destroyed on exit), as with the sync SDK's
     ``with client.create() as sb``."""
 
     def __init__(self, creation: Coroutine[object, object, H]) -> None:
@@ -56,6 +58,15 @@ class Creating(Generic[H]):
 
     def __await__(self) -> Generator[object, None, H]:
         return self._creation.__await__()
+
+    def send(self, value: object) -> object:
+        return self._creation.send(value)
+
+    def throw(self, *args: Any) -> object:  # noqa: ANN401 - Coroutine.throw's own signature
+        return self._creation.throw(*args)
+
+    def close(self) -> None:
+        self._creation.close()
 
     async def __aenter__(self) -> H:
         self._handle = await self._creation
@@ -68,7 +79,9 @@ class Creating(Generic[H]):
         tb: TracebackType | None,
     ) -> None:
         if self._handle is not None:
-            await self._handle.destroy()
+            # Shielded: a cancelled body is exactly when the sandbox must still go.
+            with anyio.CancelScope(shield=True):
+                await self._handle.destroy()
 
 
 def file_body(

@@ -241,9 +241,13 @@ class Sandbox:
         """Boot it again."""
         return self._loop.run(self._async.resume())
 
-    def destroy(self, *, idempotency_key: str | None = None) -> SandboxInfo:
-        """Remove it for good."""
-        return self._loop.run(self._async.destroy(idempotency_key=idempotency_key))
+    def destroy(
+        self, *, idempotency_key: str | None = None, forget_host: bool = False
+    ) -> SandboxInfo:
+        """Remove it for good; see :meth:`AsyncSandbox.destroy`."""
+        return self._loop.run(
+            self._async.destroy(idempotency_key=idempotency_key, forget_host=forget_host)
+        )
 
     def keep_alive(self, seconds: float) -> SandboxInfo:
         """Push the time to live out."""

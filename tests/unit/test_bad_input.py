@@ -104,16 +104,24 @@ def test_an_unusable_sqlite_file_is_one_line(database: str, message: str) -> Non
 
 
 def test_a_read_only_directory_is_one_line(tmp_path: Path) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root writes into a read-only directory; /proc stands in for it above")
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
-    message = (
-        f"cannot open the SQLite database {ro / 'x.db'}: directory {ro} is not writable "
-        "(SQLite keeps its journal beside the file); "
-        "choose another path with --database or SANDLOT_DATABASE_URL"
-    )
-    assert one_line(sandlot("--database", str(ro / "x.db"), "list")) == f"error: {message}"
+    mounted = False
+    if os.geteuid() == 0:
+        # Root writes into any directory its mode forbids; a read-only mount stops it too.
+        subprocess.run(["mount", "--bind", str(ro), str(ro)], check=True)
+        mounted = True
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+    try:
+        message = (
+            f"cannot open the SQLite database {ro / 'x.db'}: directory {ro} is not writable "
+            "(SQLite keeps its journal beside the file); "
+            "choose another path with --database or SANDLOT_DATABASE_URL"
+        )
+        assert one_line(sandlot("--database", str(ro / "x.db"), "list")) == f"error: {message}"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ro)], check=True)
 
 
 BLOCK_PSYCOPG = "import sys; sys.modules['psycopg'] = None"

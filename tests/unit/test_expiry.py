@@ -222,3 +222,91 @@ async def test_resume_restarts_a_sandbox_whose_record_still_says_running(
     assert resumed.status is S.RUNNING
     assert fake.sandboxes[f"fake-{sb.id}"].state == "running"
     assert fake.sandboxes[f"fake-{sb.id}"].boots == boots + 1
+
+
+async def test_a_sandbox_kept_alive_after_the_sweep_listed_it_is_not_stopped(
+    aclient: AsyncSandlot,
+) -> None:
+    """Review of issue 13: a keep_alive from another process between the sweep's list and its
+    stop was overwritten by the stop."""
+    sb = await aclient.create(timeout=60)
+    listed = await aclient.manager.store.get(sb.id)  # what the sweep saw
+    later = utcnow() + timedelta(seconds=61)
+    await sb.keep_alive(600)  # meanwhile, elsewhere
+    assert await aclient.manager._stop_system(listed, later) is None
+    assert (await sb.refresh()).status is S.RUNNING
+
+
+async def test_a_failed_stop_is_retried_by_the_next_sweep(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    sb = await aclient.create(timeout=60)
+    later = utcnow() + timedelta(seconds=61)
+    fake.fail_next("stop")
+    first = await aclient.manager.stop_expired(now=later)
+    assert sb.id in first.errors
+    assert (await sb.refresh()).status is S.FAILED
+    assert fake.sandboxes[f"fake-{sb.id}"].state == "running", "its processes still run"
+    again = await aclient.manager.stop_expired(now=later)
+    assert again.expired == [sb.id]
+    assert fake.sandboxes[f"fake-{sb.id}"].state == "stopped"
+    info = await sb.refresh()
+    assert info.status is S.STOPPED
+    assert info.death is not None
+    assert info.death.cause == "ttl"
+    assert (await aclient.manager.stop_expired(now=later)).expired == []
+
+
+async def test_a_long_command_is_activity_for_the_idle_timeout(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    async def slow(req: FakeExec) -> ExecResult | None:
+        if req.argv[-1] == "long job":
+            await anyio.sleep(2.5)
+            return ExecResult(exit_code=0)
+        return None
+
+    fake.exec_handler = slow
+    sb = await aclient.create(idle_timeout=1)
+    seen: list[object] = []
+
+    async def watch() -> None:
+        await anyio.sleep(2.2)  # while the command still runs
+        seen.append((await aclient.manager.store.get(sb.id)).last_active_at)
+
+    started = utcnow()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        await sb.exec("long job")
+    (touched,) = seen
+    assert isinstance(touched, type(started))
+    assert (touched - started).total_seconds() > 0.9, "the record was not touched while it ran"
+
+
+async def test_a_keyed_create_interrupted_names_its_sandbox_on_replay(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    started = anyio.Event()
+
+    async def slow(req: FakeExec) -> ExecResult | None:
+        if req.argv[-1] == "slow setup":
+            started.set()
+            await anyio.sleep(30)
+        return None
+
+    fake.exec_handler = slow
+
+    async def interrupted() -> None:
+        await aclient.create(setup="slow setup", idempotency_key="k-int")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(interrupted)
+        with anyio.fail_after(5):
+            await started.wait()
+        tg.cancel_scope.cancel()
+    fake.exec_handler = None
+    with pytest.raises(InvalidState, match="interrupted") as replayed:
+        await aclient.create(setup="slow setup", idempotency_key="k-int")
+    (kept,) = await aclient.list(status=S.FAILED)
+    assert replayed.value.sandbox_id == kept.id
+    assert kept.id in str(replayed.value)

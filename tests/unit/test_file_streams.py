@@ -59,3 +59,16 @@ def test_sync_write_file_takes_a_file_object_and_an_iterable(client: Sandlot) ->
     assert sb.read_file("/workspace/a") == b"from a file object"
     sb.write_file("/workspace/b", (bytes([65 + i]) for i in range(5)))
     assert sb.read_file("/workspace/b") == b"ABCDE"
+
+
+def test_a_keyed_streamed_write_is_remembered_by_its_content(client: Sandlot) -> None:
+    """Review of issue 13: the key remembered a stream only as "a stream", so the same key
+    with other content silently returned the first result and wrote nothing."""
+    from sandlot import Conflict
+
+    sb = client.create()
+    sb.write_file("/workspace/k", io.BytesIO(b"first"), idempotency_key="w-1")
+    sb.write_file("/workspace/k", io.BytesIO(b"first"), idempotency_key="w-1")  # a replay
+    with pytest.raises(Conflict):
+        sb.write_file("/workspace/k", io.BytesIO(b"other"), idempotency_key="w-1")
+    assert sb.read_file("/workspace/k") == b"first"

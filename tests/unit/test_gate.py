@@ -66,8 +66,14 @@ async def test_allowed_exec_leaves_decision_and_execution_receipts(aclient: Asyn
     assert execution.body["exit_code"] == 0
     import hashlib
 
-    expected = "sha256:" + hashlib.sha256((result.stdout + result.stderr).encode()).hexdigest()
-    assert execution.body["output_hash"] == expected
+    streams = {
+        name: hashlib.sha256(text.encode()).hexdigest()
+        for name, text in (("stdout", result.stdout), ("stderr", result.stderr))
+    }
+    both = f"stdout:{streams['stdout']}\nstderr:{streams['stderr']}\n"
+    assert execution.body["output_hash"] == "sha256:" + hashlib.sha256(both.encode()).hexdigest()
+    detail = execution.body["detail"]
+    assert detail["stdout"] == {"sha256": "sha256:" + streams["stdout"], "bytes": 6}
     lines = list(log.lines())
     assert verify_log(lines, log.export_trust_root()).ok
 

@@ -549,11 +549,13 @@ async def test_exec_without_collecting_only_streams_and_receipts_each_stream(
     ]
     detail = execution["detail"]
     assert isinstance(detail, dict)
-    assert detail["stdout"] == {
-        "sha256": "sha256:" + hashlib.sha256(b"out\n").hexdigest(),
-        "bytes": 4,
-    }
-    assert detail["stderr"]["bytes"] == 4  # type: ignore[index]
+    out_hash = hashlib.sha256(b"out\n").hexdigest()
+    err_hash = hashlib.sha256(b"err\n").hexdigest()
+    assert detail["stdout"] == {"sha256": "sha256:" + out_hash, "bytes": 4}
+    assert detail["stderr"] == {"sha256": "sha256:" + err_hash, "bytes": 4}
+    # The same output hash as when the output is kept: one definition, from the raw bytes.
+    both = f"stdout:{out_hash}\nstderr:{err_hash}\n".encode()
+    assert execution["output_hash"] == "sha256:" + hashlib.sha256(both).hexdigest()
 
 
 async def test_a_replayed_exec_gives_its_output_to_the_callback_again(

@@ -131,7 +131,7 @@ async def test_a_keyed_exec_longer_than_its_lease_is_not_declared_dead(
 async def test_two_hosts_on_one_database_keep_to_their_own_sandboxes(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from sandlot import InvalidState
+    from sandlot import InvalidRequest, InvalidState
 
     local_like = replace(FakeBackend().capabilities(), host_local=True)
     db = f"sqlite:///{tmp_path / 'shared.db'}"
@@ -168,9 +168,27 @@ async def test_two_hosts_on_one_database_keep_to_their_own_sandboxes(tmp_path: P
                 await operation()
         assert "lives on host" in (await b.reconcile([sb.id])).errors[sb.id]
         assert (await sb.refresh()).status is S.RUNNING
-        assert f"fake-{sb.id}" in a.manager.backends["fake"].sandboxes  # type: ignore[attr-defined]
+        a_fake = a.manager.backends["fake"]
+        assert f"fake-{sb.id}" in a_fake.sandboxes  # type: ignore[attr-defined]
+        # A snapshot taken on a lives there too: b can neither delete nor fork it.
+        snap = await sb.snapshot()
+        with pytest.raises(InvalidState, match="lives on host"):
+            await b.delete_snapshot(snap.id)
+        with pytest.raises(InvalidState, match="lives on host"):
+            await b.fork(snap.id)
         # Each home signs its own receipt log, so both can write to the shared database.
         other = await b.create()
         assert a.receipts.log_id != b.receipts.log_id
         assert (await other.exec("echo b")).stdout == "b\n"
         assert (await sb.exec("echo a")).stdout == "a\n"
+        # Host a given up for lost: b closes the record without reaching a's runtime, and
+        # host a, back, reaps what it still had of it.
+        with pytest.raises(InvalidRequest, match="destroy it plainly"):
+            await (await b.get(other.id)).destroy(forget_host=True)
+        forgotten = await theirs.destroy(forget_host=True)
+        assert forgotten.status is S.DESTROYED
+        assert forgotten.death is not None
+        assert forgotten.death.cause == "host_lost"
+        assert f"fake-{sb.id}" in a_fake.sandboxes  # type: ignore[attr-defined]
+        assert sb.id in (await a.reconcile()).reaped
+        assert f"fake-{sb.id}" not in a_fake.sandboxes  # type: ignore[attr-defined]

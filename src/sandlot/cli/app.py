@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -224,6 +225,10 @@ def _run(
         raise typer.Exit(130) from None
     except (typer.Exit, typer.Abort, SystemExit, BrokenPipeError):
         raise
+    except OSError as e:
+        # The host said no (a full disk, a missing directory): that, in one line.
+        where = f" ({e.filename})" if e.filename else ""
+        _fail(InvalidRequest(f"{e.strerror or e}{where}"), as_json)
     except Exception as e:
         # A bug of ours: still one line (and the traceback when asked for), never a dump.
         if os.environ.get("SANDLOT_DEBUG"):
@@ -698,40 +703,60 @@ def read_file(
 
 
 async def _download(chunks: AsyncIterator[bytes], output: Path) -> int:
-    """Save a stream to ``output`` through a temporary file beside it, renamed over it only
-    when the whole stream arrived: a failed read (a wrong path, a broken connection) leaves an
-    existing file as it was."""
-    target, fd, tmp = await anyio.to_thread.run_sync(_temp_beside, output)
+    """Save a stream to ``output``. A regular file (or a new one) is written through a
+    temporary file beside it, renamed over it only when the whole stream arrived, so a failed
+    read (a wrong path, a broken connection) leaves an existing file as it was; a symlink is
+    followed, and anything else (``/dev/null``, a FIFO, a terminal) is written in place."""
+    target, fd, tmp = await anyio.to_thread.run_sync(_open_download, output)
     size = 0
     try:
         with os.fdopen(fd, "wb") as f:
             async for chunk in chunks:
                 f.write(chunk)
                 size += len(chunk)
-        await anyio.to_thread.run_sync(_put_in_place, tmp, target)
+        if tmp is not None:
+            await anyio.to_thread.run_sync(_put_in_place, tmp, target)
     except BaseException:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(functools.partial(tmp.unlink, missing_ok=True))
+        if tmp is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(functools.partial(tmp.unlink, missing_ok=True))
         raise
     return size
 
 
-def _temp_beside(output: Path) -> tuple[Path, int, Path]:
-    target = output.expanduser()
+def _open_download(output: Path) -> tuple[Path, int, Path | None]:
+    """Where a download goes: the target (a symlink resolved), an open descriptor, and the
+    temporary file to rename over the target at the end (None: written in place)."""
+    target = Path(os.path.realpath(output.expanduser()))
     try:
+        st = target.stat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        msg = f"cannot write {output}: {e.strerror}"
+        raise InvalidRequest(msg) from None
+    try:
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            # A device or a pipe cannot be replaced by renaming (and must not be).
+            return target, os.open(target, os.O_WRONLY | os.O_CLOEXEC), None
         fd, name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     except OSError as e:
-        msg = f"cannot write {target}: {e.strerror}"
+        msg = f"cannot write {output}: {e.strerror}"
         raise InvalidRequest(msg) from None
     return target, fd, Path(name)
 
 
 def _put_in_place(tmp: Path, target: Path) -> None:
-    # The mode a plain write would have given it (mkstemp makes files 0600).
+    # The mode (and owner, where we may set it) a plain write would have kept or given it;
+    # mkstemp makes files 0600.
     umask = os.umask(0)
     os.umask(umask)
     with contextlib.suppress(OSError):
-        tmp.chmod(target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~umask)
+        st = target.stat()
+        tmp.chmod(st.st_mode & 0o7777)
+        os.chown(tmp, st.st_uid, st.st_gid)
+    if not target.exists():
+        tmp.chmod(0o666 & ~umask)
     tmp.replace(target)
 
 
@@ -794,11 +819,23 @@ _simple("resume", "Boot a stopped (or failed) sandbox again.", _resume)
 
 
 @app.command()
-def destroy(sandbox_id: IdArg, idempotency_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+def destroy(
+    sandbox_id: IdArg,
+    idempotency_key: KeyOpt = None,
+    forget_host: Annotated[
+        bool,
+        typer.Option(
+            "--forget-host",
+            help="Its host is gone for good: close the record (cause host_lost) without it.",
+        ),
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
     """Destroy a sandbox (its record stays, with the cause)."""
 
     async def body(client: AsyncSandlot) -> SandboxInfo:
-        return await (await client.get(sandbox_id)).destroy(idempotency_key=idempotency_key)
+        handle = await client.get(sandbox_id)
+        return await handle.destroy(idempotency_key=idempotency_key, forget_host=forget_host)
 
     info = _run(as_json, body)
     if as_json:
@@ -1031,7 +1068,9 @@ def doctor(as_json: JsonOpt = False) -> None:
 def main() -> None:
     """The console script entry point."""
     try:
-        if "--json" in sys.argv[1:]:
+        args = sys.argv[1:]
+        ours = args[: args.index("--")] if "--" in args else args  # not the command's own
+        if "--json" in ours:
             raise SystemExit(_main_json())
         app()
     except BrokenPipeError:

@@ -119,14 +119,16 @@ async def _relay(term: AsyncTerminal) -> int:
                 with contextlib.suppress(SandboxError):
                     await term.resize(*_window_size())
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(keystrokes)
-        tg.start_soon(window)
-        out = sys.stdout.buffer
-        async for data in term:
-            out.write(data)
-            out.flush()
-        code = await term.wait()
-        ended.set()
-        tg.cancel_scope.cancel()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(keystrokes)
+            tg.start_soon(window)
+            out = sys.stdout.buffer
+            async for data in term:
+                out.write(data)
+                out.flush()
+            code = await term.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        ended.set()  # however it ended (the server gone too): the reader thread lets go
     return code

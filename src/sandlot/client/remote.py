@@ -27,11 +27,12 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 import json as jsonlib
+import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
@@ -93,6 +94,8 @@ if TYPE_CHECKING:
     from sandlot.channel.base import OutputCallback, Stdin
 
 __all__ = ["AsyncClient", "AsyncRemoteSandbox"]
+
+_log = logging.getLogger("sandlot.client")
 
 
 def _error(response: httpx.Response) -> SandboxError:
@@ -188,7 +191,9 @@ class AsyncRemoteSandbox:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.destroy()
+        # Shielded: a cancelled body is exactly when the sandbox must still go.
+        with anyio.CancelScope(shield=True):
+            await self.destroy()
 
     @property
     def _path(self) -> str:
@@ -532,10 +537,16 @@ class AsyncRemoteSandbox:
         self.info = await self._client._info("POST", f"{self._path}/resume")
         return self.info
 
-    async def destroy(self, *, idempotency_key: str | None = None) -> SandboxInfo:
-        """Remove it for good (the record stays, hidden, with a death certificate)."""
+    async def destroy(
+        self, *, idempotency_key: str | None = None, forget_host: bool = False
+    ) -> SandboxInfo:
+        """Remove it for good (the record stays, hidden, with a death certificate);
+        ``forget_host`` closes the record of a sandbox whose host is gone for good."""
         self.info = await self._client._info(
-            "POST", f"{self._path}/destroy", headers=_key_header(idempotency_key)
+            "POST",
+            f"{self._path}/destroy",
+            params={"forget_host": "true"} if forget_host else None,
+            headers=_key_header(idempotency_key),
         )
         return self.info
 
@@ -826,9 +837,10 @@ class AsyncClient:
         path: str,
         *,
         json: object = None,
+        params: Mapping[str, str] | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> SandboxInfo:
-        response = await self._request(method, path, json=json, headers=headers)
+        response = await self._request(method, path, json=json, params=params, headers=headers)
         return SandboxInfo.model_validate(response.json())
 
     async def _job(
@@ -844,14 +856,27 @@ class AsyncClient:
         state = _JobState()
         what = f"POST {path}"
         try:
-            async with self._stream(
-                "POST",
-                path,
-                json=dict(body),
-                headers={"Accept": "text/event-stream", **_key_header(key)},
-                read_timeout=self.timeout * 4,
-            ) as response:
-                return await self._follow(response, state, callback, stdin)
+            try:
+                async with self._stream(
+                    "POST",
+                    path,
+                    json=dict(body),
+                    headers={"Accept": "text/event-stream", **_key_header(key)},
+                    read_timeout=self.timeout * 4,
+                ) as response:
+                    return await self._follow(response, state, callback, stdin)
+            except (anyio.get_cancelled_exc_class(), KeyboardInterrupt):
+                # The caller gave up (Ctrl-C, a cancelled task): so does the server's job, or it
+                # would run on with nobody waiting (a reconnect after a broken connection is
+                # another matter: that job is wanted).
+                if state.exec_id is not None:
+                    with (
+                        anyio.CancelScope(shield=True),
+                        anyio.move_on_after(10),
+                        contextlib.suppress(SandboxError, httpx.HTTPError),
+                    ):
+                        await self._request("POST", f"/v1/execs/{_quote(state.exec_id)}/cancel")
+                raise
         except httpx.TransportError as e:
             if state.exec_id is None:
                 raise _unknown_outcome(
@@ -869,10 +894,17 @@ class AsyncClient:
         if not isinstance(notice, dict) or notice.get("kind") != "held" or self.on_hold is None:
             return
         data = notice.get("approval")
-        if isinstance(data, dict):
-            result = self.on_hold(Approval(**data))
+        if not isinstance(data, dict):
+            return
+        known = {f.name for f in dataclasses.fields(Approval)}
+        try:
+            # Fields a newer server adds are left out; a failing callback is the caller's to
+            # fix, not a reason to abandon the operation's stream (the gate does the same).
+            result = self.on_hold(Approval(**{k: v for k, v in data.items() if k in known}))
             if inspect.isawaitable(result):
                 await result
+        except Exception:
+            _log.exception("the on_hold callback failed")
 
     async def _resume(
         self,
@@ -1013,39 +1045,17 @@ class AsyncClient:
         on_setup_output: OutputCallback | None,
         idempotency_key: str | None,
     ) -> AsyncRemoteSandbox:
-        # Without a key of the caller's, one of our own: if this call is interrupted (Ctrl-C,
-        # a cancelled task) the server still finishes the creation, and the key is how we
-        # find what it made and destroy it, so nothing is left that nobody knows of.
-        key = idempotency_key or f"sandlot-client-{secrets.token_hex(12)}"
-        try:
-            if on_setup_output is None:
-                response = await self._request(
-                    "POST", "/v1/sandboxes", json=body, headers=_key_header(key)
-                )
-                return AsyncRemoteSandbox(self, SandboxInfo.model_validate(response.json()))
-            data = await self._job("/v1/sandboxes", body, on_setup_output, key=key)
-            return AsyncRemoteSandbox(self, SandboxInfo.model_validate(data))
-        except SandboxError:
-            raise
-        except BaseException:
-            if idempotency_key is None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-                    await self._undo_create(body, key)
-            raise
-
-    async def _undo_create(self, body: Mapping[str, object], key: str) -> None:
-        """Destroy what an interrupted creation made: a repeat under its key returns it (once
-        the server has finished it), or the error naming the sandbox it left."""
-        try:
+        if on_setup_output is None:
+            # Interrupted, this request leaves nothing: a server whose client went away with
+            # no key to replay by destroys what it made.
             response = await self._request(
-                "POST", "/v1/sandboxes", json=body, headers=_key_header(key)
+                "POST", "/v1/sandboxes", json=body, headers=_key_header(idempotency_key)
             )
-            sandbox_id: str | None = str(response.json()["id"])
-        except SandboxError as e:
-            sandbox_id = e.sandbox_id
-        if sandbox_id is not None:
-            with contextlib.suppress(SandboxError):
-                await self._request("DELETE", f"/v1/sandboxes/{_quote(sandbox_id)}")
+            return AsyncRemoteSandbox(self, SandboxInfo.model_validate(response.json()))
+        # Interrupted, a streamed creation is cancelled on the server (see _job), which then
+        # destroys what it had made.
+        data = await self._job("/v1/sandboxes", body, on_setup_output, key=idempotency_key)
+        return AsyncRemoteSandbox(self, SandboxInfo.model_validate(data))
 
     async def get(self, sandbox_id: str) -> AsyncRemoteSandbox:
         """A handle on an existing sandbox (``NotFound`` names the id)."""

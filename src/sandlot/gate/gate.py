@@ -33,7 +33,7 @@ from sqlalchemy import Connection, Engine, and_, insert, select, update
 
 from sandlot.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, SandboxError
 from sandlot.gate.schema import approvals
-from sandlot.models import Actor, JsonValue, new_id
+from sandlot.models import SYSTEM_PRINCIPAL, Actor, JsonValue, new_id
 from sandlot.policy import (
     Decision,
     Explanation,
@@ -53,7 +53,7 @@ __all__ = ["SYSTEM", "Approval", "Authorization", "Gate", "hold_listener"]
 
 T = TypeVar("T")
 
-SYSTEM = Actor(tenant="default", principal="system", admin=True)
+SYSTEM = Actor(tenant="default", principal=SYSTEM_PRINCIPAL, admin=True)
 """The actor of the Manager's own housekeeping that belongs to no tenant (reaping orphans)."""
 
 

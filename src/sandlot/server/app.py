@@ -54,6 +54,7 @@ from sandlot.channel.base import PtySession
 from sandlot.errors import (
     BackendUnavailable,
     InvalidRequest,
+    InvalidState,
     NotFound,
     PolicyDenied,
     SandboxError,
@@ -206,6 +207,8 @@ class _Plane:
             max_waiters=config.admission_queue,
         )
         self.stdin: dict[str, _StdinPipe] = {}
+        self.jobs: dict[str, _Job] = {}
+        """Streamed jobs running in this process, by exec id."""
         self.tasks: anyio.abc.TaskGroup | None = None
 
     async def _live(self, tenant: str) -> int:
@@ -272,6 +275,10 @@ SandboxId = Annotated[str, Path(description="Sandbox id.")]
 SnapshotId = Annotated[str, Path(description="Snapshot id.")]
 ProcessId = Annotated[str, Path(description="Process id (or the name it was started with).")]
 FilePath = Annotated[str, Query(description="Absolute path inside the sandbox.")]
+ForgetHost = Annotated[
+    bool,
+    Query(description="Close the record of a sandbox whose host is gone for good (host_lost)."),
+]
 
 
 def _require_admin(actor: Actor) -> None:
@@ -353,9 +360,18 @@ async def _job_events(
             yield b": keep-alive\n\n"
 
 
+@dataclass
+class _Job:
+    """A streamed job running on the server: whose it is, and how its client cancels it."""
+
+    tenant: str
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
 async def _run_job(
     plane: _Plane,
     job_id: str,
+    tenant: str,
     body: Callable[[Callable[[OutputChunk], Awaitable[None]]], Awaitable[dict[str, object]]],
     release: Callable[[], None],
     on_done: Callable[[str], None] | None = None,
@@ -372,9 +388,17 @@ async def _run_job(
 
     hold_listener.set(on_hold)  # this task's context: only this job's holds
     outcome = "error"
+    job = _Job(tenant)
+    plane.jobs[job_id] = job
     try:
         try:
-            result = await body(on_output)
+            with job.scope:
+                result = await body(on_output)
+            if job.scope.cancelled_caught:
+                # Cancelled by its client (``POST /v1/execs/{id}/cancel``): the command's tree
+                # was killed, a creation's half-made sandbox destroyed.
+                msg = "cancelled by its client"
+                raise InvalidState(msg, exec_id=job_id, cancelled=True)
             outcome = "ok"
             done = ExecOutcome(result=result)
         except SandboxError as e:
@@ -397,6 +421,7 @@ async def _run_job(
             raise
         await plane.output.finish(job_id, done)
     finally:
+        plane.jobs.pop(job_id, None)
         release()
         pipe = plane.stdin.pop(job_id, None)
         if pipe is not None:
@@ -648,6 +673,11 @@ def _routes(app: FastAPI) -> None:
                     info = await plane.manager.create(
                         spec, backend=body.backend, actor=actor, idempotency_key=key
                     )
+                    if key is None and await request.is_disconnected():
+                        # Its client went away (Ctrl-C) and, with no key, can never learn
+                        # the id: nothing of it may be left behind.
+                        log.info("creation of %s outlived its client; destroying it", info.id)
+                        info = await plane.manager.destroy(info.id, actor=actor)
             finally:
                 release()
             return _json(info, 201)
@@ -664,7 +694,7 @@ def _routes(app: FastAPI) -> None:
             )
             return info.model_dump(mode="json")
 
-        plane.spawn(lambda: _run_job(plane, job_id, job, release))
+        plane.spawn(lambda: _run_job(plane, job_id, actor.tenant, job, release))
         first = _sse("started", ExecStarted(exec_id=job_id, sandbox_id=""))
         return StreamingResponse(
             _job_events(plane, job_id, actor.tenant, -1, first),
@@ -710,23 +740,35 @@ def _routes(app: FastAPI) -> None:
     async def get_sandbox(sandbox_id: SandboxId, actor: ActorDep, plane: PlaneDep) -> Response:
         return _json(await plane.manager.get(sandbox_id, actor=actor))
 
-    async def _destroy(plane: _Plane, sandbox_id: str, actor: Actor, key: str | None) -> Response:
+    async def _destroy(
+        plane: _Plane, sandbox_id: str, actor: Actor, key: str | None, forget_host: bool
+    ) -> Response:
         with anyio.CancelScope(shield=True):
-            info = await plane.manager.destroy(sandbox_id, actor=actor, idempotency_key=key)
+            info = await plane.manager.destroy(
+                sandbox_id, actor=actor, idempotency_key=key, forget_host=forget_host
+            )
         plane.sandboxes.notify(info.tenant)
         return _json(info)
 
     @app.delete("/v1/sandboxes/{sandbox_id}", tags=["sandboxes"], response_model=SandboxInfo)
     async def delete_sandbox(
-        sandbox_id: SandboxId, actor: ActorDep, plane: PlaneDep, key: IdemDep
+        sandbox_id: SandboxId,
+        actor: ActorDep,
+        plane: PlaneDep,
+        key: IdemDep,
+        forget_host: ForgetHost = False,
     ) -> Response:
-        return await _destroy(plane, sandbox_id, actor, key)
+        return await _destroy(plane, sandbox_id, actor, key, forget_host)
 
     @app.post("/v1/sandboxes/{sandbox_id}/destroy", tags=["sandboxes"], response_model=SandboxInfo)
     async def destroy(
-        sandbox_id: SandboxId, actor: ActorDep, plane: PlaneDep, key: IdemDep
+        sandbox_id: SandboxId,
+        actor: ActorDep,
+        plane: PlaneDep,
+        key: IdemDep,
+        forget_host: ForgetHost = False,
     ) -> Response:
-        return await _destroy(plane, sandbox_id, actor, key)
+        return await _destroy(plane, sandbox_id, actor, key, forget_host)
 
     @app.post("/v1/sandboxes/{sandbox_id}/stop", tags=["sandboxes"], response_model=SandboxInfo)
     async def stop(
@@ -874,7 +916,7 @@ def _routes(app: FastAPI) -> None:
                 time.perf_counter() - started
             )
 
-        plane.spawn(lambda: _run_job(plane, job_id, job, release, done))
+        plane.spawn(lambda: _run_job(plane, job_id, actor.tenant, job, release, done))
         first = _sse("started", ExecStarted(exec_id=job_id, sandbox_id=sandbox_id))
         return StreamingResponse(
             _job_events(plane, job_id, actor.tenant, -1, first),
@@ -903,6 +945,22 @@ def _routes(app: FastAPI) -> None:
             media_type="text/event-stream",
             headers=_SSE_HEADERS,
         )
+
+    @app.post(
+        "/v1/execs/{exec_id}/cancel",
+        tags=["commands"],
+        status_code=204,
+        summary="Cancel a streamed job: kill its command's tree, or undo its creation.",
+    )
+    async def exec_cancel(
+        exec_id: Annotated[str, Path()], actor: ActorDep, plane: PlaneDep
+    ) -> Response:
+        job = plane.jobs.get(exec_id)
+        if job is None or job.tenant != actor.tenant:
+            msg = f"no exec {exec_id!r} running on this server"
+            raise NotFound(msg, exec_id=exec_id)
+        job.scope.cancel()
+        return Response(status_code=204)
 
     @app.put(
         "/v1/execs/{exec_id}/stdin",

@@ -266,7 +266,11 @@ class ApiKeyStore:
                         api_keys.c.key_hash == digest, api_keys.c.revoked_at.is_(None)
                     )
                 ).first()
-            return None if row is None else _info(row).actor
+            if row is None:
+                return None
+            found = _info(row).actor
+            # A key made before the name was reserved must not sign as sandlot's own duties.
+            return None if found.principal == SYSTEM_PRINCIPAL else found
 
         actor = await self._run(do)
         if actor is not None and self.cache_ttl > 0:

@@ -212,7 +212,7 @@ class _Live:
 
     tenant: str
     next_seq: int = 0
-    offsets: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    offsets: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0, "notice": 0})
     changed: anyio.Event = field(default_factory=anyio.Event)
 
 

@@ -69,6 +69,8 @@ class ServerThread:
         config: Server options.
         database: A database URL instead of the home's SQLite file.
         backend: Default backend name.
+        durable_output: Keep exec output in the database, as ``sandlot serve`` does (default:
+            in this process's memory).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class ServerThread:
         config: ServerConfig | None = None,
         database: str | None = None,
         backend: str | None = None,
+        durable_output: bool = False,
     ) -> None:
         from sandlot.sdk import database_url
 
@@ -87,6 +90,7 @@ class ServerThread:
         self.config = config or ServerConfig()
         self.database = database_url(database, home)
         self.backend = backend
+        self.durable_output = durable_output
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
@@ -167,7 +171,12 @@ class ServerThread:
         sdk = AsyncSandlot(self.home, self.backend, self.database, backends=self.backends)
         self.sdk = sdk
         keys = ApiKeyStore(self.database, cache_ttl=0)
-        app = create_app(sdk.manager, keys, self.config)
+        output = None
+        if self.durable_output:
+            from sandlot.server.outputlog import DatabaseExecOutputLog
+
+            output = DatabaseExecOutputLog(sdk.manager.store.engine)  # type: ignore[attr-defined]
+        app = create_app(sdk.manager, keys, self.config, output_log=output)
         self.app = app
         config = uvicorn.Config(
             app,

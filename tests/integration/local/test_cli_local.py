@@ -180,3 +180,21 @@ def test_exec_streams_big_output_in_bounded_memory(cli, tmp_path: Path) -> None:
         f"{' '.join(argv)} | wc -c", shell=True, capture_output=True, text=True, env=env
     )
     assert counted.stdout.strip() == str(size)
+
+
+def test_read_file_to_a_device_or_through_a_symlink_writes_in_place(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import stat
+
+    sid = cli("create", "--network", "deny-all").stdout.strip()
+    cli("exec", sid, "--", "sh", "-c", "echo data > /workspace/f")
+    null = tmp_path / "null"
+    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # a /dev/null of our own
+    assert cli("read-file", sid, "/workspace/f", "--out", str(null)).returncode == 0
+    assert stat.S_ISCHR(null.lstat().st_mode), "a device was replaced by a regular file"
+    real = tmp_path / "real.txt"
+    real.write_text("old\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(real)
+    assert cli("read-file", sid, "/workspace/f", "--out", str(link)).returncode == 0
+    assert link.is_symlink()
+    assert real.read_text() == "data\n"

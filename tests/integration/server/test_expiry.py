@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from sandlot.client import Client
 from sandlot.models import SandboxStatus
@@ -57,20 +58,22 @@ def test_stop_expired_reports_what_it_could_not_stop(tmp_path: Path) -> None:
             (failed_id,) = body["errors"]
             assert {failed_id, *body["stopped"]} == {stuck.id, fine.id}
             assert "injected failure in stop" in body["errors"][failed_id]
-            # The one whose stop failed is failed now, with why; a later sweep leaves it be
-            # (its files are kept until someone decides), and says nothing more.
+            # The one whose stop failed is failed now, with why, its processes still running;
+            # the next sweep stops them (its files stay).
             info = acme.get(failed_id).info
             assert info.status is SandboxStatus.FAILED
             assert "injected failure in stop" in (info.error or "")
             with Client(server.url, admin) as ops:
                 again = ops.stop_expired()
-            assert (again.expired, again.discarded, again.errors) == ([], [], {})
-            assert f"fake-{failed_id}" in fake.sandboxes
+            assert (again.expired, again.errors) == ([failed_id], {})
+            assert fake.sandboxes[f"fake-{failed_id}"].state == "stopped"
 
 
-def test_an_interrupted_remote_create_leaves_nothing(tmp_path: Path) -> None:
-    """Ctrl-C in a client while the server creates: the server finishes (it never leaves a
-    transition half done), and the client finds what it made by its own key and destroys it."""
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "with-setup-output"])
+def test_an_interrupted_remote_create_leaves_nothing(tmp_path: Path, streamed: bool) -> None:
+    """Ctrl-C in a client while the server creates: a plain create is finished by the server
+    (it never leaves a transition half done), which sees its client gone and destroys it; a
+    streamed one is cancelled on the server, which destroys what it had made."""
     import anyio
 
     from sandlot.client import AsyncClient
@@ -82,6 +85,7 @@ def test_an_interrupted_remote_create_leaves_nothing(tmp_path: Path) -> None:
     async def slow(req: FakeExec) -> ExecResult | None:
         if req.argv[-1] == "slow setup":
             await anyio.sleep(1.5)
+            return ExecResult(exit_code=0, stdout="set up\n")
         return None
 
     fake.exec_handler = slow
@@ -91,10 +95,17 @@ def test_an_interrupted_remote_create_leaves_nothing(tmp_path: Path) -> None:
 
         async def interrupted() -> None:
             async with AsyncClient(server.url, api_key=key) as client:
-                with anyio.move_on_after(0.5):
-                    await client.create(setup="slow setup")
-                (info,) = await client.list(include_destroyed=True)
-                assert info.status is SandboxStatus.DESTROYED
+                with anyio.move_on_after(0.5) as scope:
+                    await client.create(
+                        setup="slow setup", on_setup_output=(lambda c: None) if streamed else None
+                    )
+                assert scope.cancelled_caught
+                with anyio.fail_after(15):
+                    while True:
+                        (info,) = await client.list(include_destroyed=True)
+                        if info.status is SandboxStatus.DESTROYED:
+                            break
+                        await anyio.sleep(0.1)
                 assert await client.list() == []
 
         anyio.run(interrupted)

@@ -17,12 +17,16 @@ from sandlot.testing import FakeBackend
 HOLD = Path(__file__).parents[3] / "docs" / "policies" / "hold-undecidable.cedar"
 
 
+@pytest.mark.parametrize("durable", [False, True], ids=["memory-output", "database-output"])
 def test_a_held_exec_tells_its_client_the_approval_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
 ) -> None:
     monkeypatch.setenv("SANDLOT_POLICY", f"default:{HOLD}")
     config = ServerConfig(sweep_interval=None)
-    with ServerThread(tmp_path / "srv", backends={"fake": FakeBackend()}, config=config) as srv:
+    backends = {"fake": FakeBackend()}
+    with ServerThread(
+        tmp_path / "srv", backends=backends, config=config, durable_output=durable
+    ) as srv:
         agent_key = srv.new_key("acme", "agent")
         reviewer_key = srv.new_key("acme", "reviewer")
         heard: list[Approval] = []

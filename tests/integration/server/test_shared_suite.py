@@ -290,3 +290,15 @@ async def test_async_with_create_destroys_on_exit(api: Api) -> None:
     assert gone.status is S.DESTROYED
     handle = await client.create()  # awaiting it still gives the handle
     assert handle.status is S.RUNNING
+
+
+async def test_create_is_a_coroutine_and_a_cancelled_async_with_still_destroys(api: Api) -> None:
+    client, _ = api
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.create)  # a plain coroutine to task runners
+    label = {"suite": "cancelled-with"}
+    with anyio.move_on_after(0.5):
+        async with client.create(labels=label):
+            await anyio.sleep(30)  # cancelled here: the sandbox must still be destroyed
+    (gone,) = await client.list(labels=label, include_destroyed=True)
+    assert gone.status is S.DESTROYED

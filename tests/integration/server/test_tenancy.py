@@ -26,6 +26,7 @@ _INPUTS: dict[tuple[str, str], dict[str, object]] = {
     ("POST", "/v1/sandboxes/{sandbox_id}/execs"): {"json": {"command": "echo x"}},
     ("GET", "/v1/execs/{exec_id}/events"): {},
     ("PUT", "/v1/execs/{exec_id}/stdin"): {"content": b"input"},
+    ("POST", "/v1/execs/{exec_id}/cancel"): {},
     ("GET", "/v1/sandboxes/{sandbox_id}/files/content"): {"params": {"path": "/workspace/secret"}},
     ("PUT", "/v1/sandboxes/{sandbox_id}/files/content"): {
         "params": {"path": "/workspace/secret"},
