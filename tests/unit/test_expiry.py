@@ -107,6 +107,11 @@ async def test_embedded_list_and_create_sweep_without_a_server(aclient: AsyncSan
     assert listed.status is S.STOPPED
     assert listed.death is not None
     assert listed.death.cause == "ttl"
+    # And create sweeps too, before making the new one.
+    again = await aclient.create(timeout=60)
+    await _expire(aclient, again)
+    await aclient.create()
+    assert (await again.refresh()).status is S.STOPPED
 
 
 async def test_a_failed_setup_names_its_sandbox_stops_it_and_keeps_it_for_a_while(
@@ -162,10 +167,14 @@ async def test_resuming_a_failed_creation_gives_it_its_own_ttl_again(
 async def test_a_backend_error_during_create_names_the_sandbox(
     aclient: AsyncSandlot, fake: FakeBackend
 ) -> None:
+    from sandlot.errors import BackendError
+
     fake.fail_next("start_process")
-    with pytest.raises(Exception) as failed:
+    with pytest.raises(BackendError) as failed:
         await aclient.create(start="serve")
-    assert isinstance(failed.value.details.get("sandbox_id"), str)  # type: ignore[attr-defined]
+    (kept,) = await aclient.list(status=S.FAILED)
+    assert failed.value.sandbox_id == kept.id
+    assert kept.id in str(failed.value)
 
 
 async def test_an_interrupted_create_leaves_nothing_behind(
