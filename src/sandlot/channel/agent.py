@@ -782,7 +782,13 @@ class Session:
         if isinstance(window, int) and 64 << 10 <= window <= 1 << 30:
             self.peer_window = window
         self.ready = True
-        self.send(T_HELLO, 0, dumps(self.agent.hello(max(common))))
+        reply = self.agent.hello(max(common))
+        nonce = hello.get("nonce")
+        if isinstance(nonce, str) and len(nonce) <= 64:
+            # Echoed, so a host that retried its handshake on a device (where an earlier
+            # attempt's HELLO may be answered late) knows which answer is its own.
+            reply["nonce"] = nonce
+        self.send(T_HELLO, 0, dumps(reply))
 
     def on_open(self, sid: int, payload: memoryview) -> None:
         if sid == 0 or sid <= self.last_sid:

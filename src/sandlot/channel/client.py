@@ -94,6 +94,8 @@ class _Connection:
         self.next_sid = 1
         self.error: SandboxError | None = None
         self.hello: dict[str, object] | None = None
+        self.nonce = os.urandom(8).hex()
+        """Sent in our HELLO and echoed in the agent's: which answer is this handshake's."""
         self.info: AgentInfo | None = None
         self.peer_window = 64 << 10
         self.max_data = MAX_DATA
@@ -132,8 +134,17 @@ class _Connection:
     def _dispatch(self, ftype: int, chan: int, sid: int, payload: bytes) -> None:
         if ftype == FrameType.HELLO:
             hello = decode_json(payload)
-            self.hello = hello if isinstance(hello, dict) else {}
-            self._wake(None)
+            hello = hello if isinstance(hello, dict) else {}
+            if self.hello is None:
+                nonce = hello.get("nonce")
+                if nonce is not None and nonce != self.nonce:
+                    return  # the late answer to an earlier attempt's HELLO: not ours
+                self.hello = hello
+                self._wake(None)
+                return
+            # A second session began behind ours (another HELLO reached the agent): it ended
+            # ours, and with it everything in flight here.
+            self.fail(BackendError("the sandbox agent began another session; this one ended"))
             return
         if ftype == FrameType.ERROR and sid == 0:
             err = decode_json(payload)
@@ -884,7 +895,14 @@ async def connect_stream(stream: anyio.abc.ByteStream, *, timeout: float = 10.0)
     hello = encode_frame(
         FrameType.HELLO,
         0,
-        encode_json({"versions": [PROTOCOL_VERSION], "window": WINDOW, "client": "sandlot"}),
+        encode_json(
+            {
+                "versions": [PROTOCOL_VERSION],
+                "window": WINDOW,
+                "client": "sandlot",
+                "nonce": conn.nonce,
+            }
+        ),
     )
     try:
         with anyio.fail_after(timeout):

@@ -198,6 +198,11 @@ class FrameDecoder:
             if n - off < HEADER_SIZE:
                 self._need = HEADER_SIZE
                 break
+            if buf.startswith(MAGIC, off):
+                # The peer began a new session (an agent on a device answers each HELLO it
+                # reads): no header starts so (its length would be over 2 GiB), so skip it.
+                off += len(MAGIC)
+                continue
             length, ftype, chan, stream = HEADER.unpack_from(buf, off)
             if length > MAX_PAYLOAD:
                 msg = f"frame of {length} bytes exceeds the {MAX_PAYLOAD}-byte limit"

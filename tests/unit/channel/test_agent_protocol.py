@@ -495,3 +495,48 @@ def test_device_mode_takes_a_new_host_mid_session_and_detaches(
         assert proc.wait(10) == 0
         for fd in (master, slave, *decoy):
             os.close(fd)
+
+
+async def test_a_late_answer_to_an_earlier_handshake_is_not_taken_for_ours() -> None:
+    """On a device a host that retried its handshake can read the answer to its earlier
+    attempt first (seen as 'frame of 2303934798 bytes' when a microVM template was built)."""
+    import json
+    import socket
+
+    import anyio
+    import anyio.abc
+
+    from sandlot.channel.client import connect_stream
+    from sandlot.channel.protocol import MAGIC, FrameType, encode_frame, encode_json
+
+    host_sock, agent_sock = socket.socketpair()
+
+    def hello(nonce: str) -> bytes:
+        body = {
+            "protocol": 1,
+            "agent": "fake",
+            "version": "1",
+            "window": 1 << 22,
+            "max_payload": 1 << 24,
+            "max_data": 1 << 20,
+            "ops": [],
+            "nonce": nonce,
+        }
+        return MAGIC + encode_frame(FrameType.HELLO, 0, encode_json(body))
+
+    def agent() -> None:
+        sent = agent_sock.recv(65536)
+        ours = json.loads(sent[len(MAGIC) + 10 :])["nonce"]
+        # The answer to an earlier attempt arrives first, then the answer to this one.
+        agent_sock.sendall(hello("0123456789abcdef") + hello(ours))
+
+    stream = await anyio.abc.SocketStream.from_socket(host_sock)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, agent)
+            channel = await connect_stream(stream, timeout=5)
+        assert channel._conn.hello is not None
+        assert channel._conn.hello["nonce"] == channel._conn.nonce
+        await channel.close()
+    finally:
+        agent_sock.close()
