@@ -163,7 +163,7 @@ class _Outcome:
     def __init__(self) -> None:
         self.output: bytes | None = None
         self.output_hash: str | None = None
-        """``sha256:`` of output that streamed past without being kept (else from ``output``)."""
+        """``sha256:`` of output hashed as it passed (else taken of ``output``)."""
         self.exit_code: int | None = None
         self.detail: dict[str, JsonValue] = {}
         self.lease: Lease | None = None
