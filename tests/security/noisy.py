@@ -83,7 +83,8 @@ class NoisyServer:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return self
             time.sleep(0.1)
-        raise AssertionError(f"sandlot serve did not answer in 60 s: {self.log.read_text()}")
+        msg = f"sandlot serve did not answer in 60 s: {self.log.read_text()}"
+        raise AssertionError(msg)
 
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
