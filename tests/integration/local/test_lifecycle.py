@@ -216,6 +216,19 @@ async def test_orphans_are_found_and_reaped(backend, isolation, spec_for) -> Non
     assert after == before
 
 
+async def test_a_create_killed_before_its_record_leaves_nothing_a_destroy_misses(backend) -> None:
+    # A server killed between making a sandbox's directory and writing meta.json in it: the
+    # Manager, with no backend ref recorded, asks list_owned for what the backend holds under
+    # the id, so the bare directory must be listed (it leaked in a crash-suite run).
+    sid = new_id("sb")
+    (backend.state_dir / sid).mkdir(mode=0o711)
+    (backend.state_dir / sid / "layer").mkdir()
+    assert (await backend.list_owned()).get(sid) == sid
+    await backend.destroy(sid)
+    assert not (backend.state_dir / sid).exists()
+    assert sid not in await backend.list_owned()
+
+
 async def test_leaked_uid_ranges_are_freed_only_when_old(backend) -> None:
     registry = Path("/var/lib/sandlot/uid-ranges")
     old = backend._uids.allocate(backend.state_dir, "sl-crashed")

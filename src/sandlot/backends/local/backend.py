@@ -1578,10 +1578,12 @@ class LocalBackend:
         out: dict[str, str] = {}
         for entry in self.state_dir.iterdir():
             # Other services may keep state beside the sandboxes (the network service's
-            # ``network/``); a sandbox directory is one with a record.
-            if entry.name.startswith(".") or not _ID.match(entry.name):
+            # ``network/``, never a sandbox id). A directory without its meta.json is still a
+            # sandbox's: a create killed before writing it left it, and with no ref recorded
+            # the Manager's destroy finds it only here.
+            if entry.name.startswith(".") or not _ID.match(entry.name) or entry.name == "network":
                 continue
-            if (entry / "meta.json").is_file():
+            if entry.is_dir():
                 out[entry.name] = entry.name
         # A container whose directory is gone (a crash mid-destroy) is still ours to reap.
         for rt in self._runtimes.values():
