@@ -115,6 +115,17 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+async def test_a_create_killed_before_its_record_is_listed_and_destroyed(
+    backend: MicrovmBackend,
+) -> None:
+    vm_dir = backend._root / "vms" / new_id("sb")
+    vm_dir.mkdir()
+    (vm_dir / "disk.qcow2").write_bytes(b"partial")
+    assert (await backend.list_owned()).get(vm_dir.name) == vm_dir.name
+    await backend.destroy(vm_dir.name)
+    assert not vm_dir.exists()
+
+
 async def test_stop_keeps_disk_and_memory(backend: MicrovmBackend, spec: SandboxSpec) -> None:
     assert backend.capabilities().pause_memory
     ref = await backend.create(new_id("sb"), spec)

@@ -1178,9 +1178,10 @@ class MicrovmBackend:
         return BackendState("stopped", reason, tail)
 
     async def list_owned(self) -> dict[str, str]:
-        """Every VM directory with a record."""
+        """Every VM directory, with its record or without (a create killed before writing
+        vm.json left it, and with no ref recorded the Manager's destroy finds it only here)."""
         vms = self._root / "vms"
-        return {d.name: d.name for d in sorted(vms.iterdir()) if (d / "vm.json").exists()}
+        return {d.name: d.name for d in sorted(vms.iterdir()) if d.is_dir()}
 
     async def channel(self, ref: str) -> Channel:
         """Connect to the guest agent (one host connection per VM at a time: QEMU's socket
