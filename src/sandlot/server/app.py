@@ -113,6 +113,7 @@ from sandlot.server.wire import (
     b64encode,
     content_digest,
     parse_digest,
+    refuse_digest_trailer,
 )
 
 __all__ = ["ServerConfig", "create_app"]
@@ -1187,6 +1188,7 @@ def _routes(app: FastAPI) -> None:
         digest_header: Annotated[str | None, Header(alias=DIGEST_HEADER)] = None,
     ) -> Response:
         limit = plane.config.max_upload_bytes
+        refuse_digest_trailer(request.headers.get("trailer"))
         expected = parse_digest(digest_header)
         if digest_header and expected is None:
             msg = f"{DIGEST_HEADER} must be sha-256=:<base64>:"

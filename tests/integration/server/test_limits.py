@@ -1,0 +1,53 @@
+"""Limits a tenant meets on a real server (in a thread, on the fake backend the operator
+enabled): what a request may carry, which backends it may pick, how many programs and uploads
+it may run at once."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import socket
+from pathlib import Path
+
+from sandlot.client import Client
+from sandlot.server import ServerConfig
+from sandlot.server.testing import ServerThread
+from sandlot.testing import FakeBackend
+
+
+def _raw_request(port: int, head: str, body: bytes) -> tuple[int, bytes]:
+    """Send one HTTP/1.1 request byte for byte; the status and the response."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head.encode() + body)
+        response = b""
+        while chunk := s.recv(65536):
+            response += chunk
+    status = int(response.split(b" ", 2)[1])
+    return status, response
+
+
+def test_a_digest_sent_as_a_trailer_is_refused_not_ignored(tmp_path: Path) -> None:
+    fake = FakeBackend()
+    config = ServerConfig(sweep_interval=None)
+    with ServerThread(tmp_path, backends={"fake": fake}, config=config) as server:
+        key = server.new_key("trailers")
+        with Client(server.url, key) as client:
+            sb = client.create()
+        wrong = "sha-256=:" + base64.b64encode(hashlib.sha256(b"other").digest()).decode() + ":"
+        data = b"hello trailer"
+        body = b"%x\r\n%s\r\n0\r\nContent-Digest: %s\r\n\r\n" % (len(data), data, wrong.encode())
+        head = (
+            f"PUT /v1/sandboxes/{sb.id}/files/content?path=/workspace/t HTTP/1.1\r\n"
+            f"Host: 127.0.0.1:{server.port}\r\n"
+            f"Authorization: Bearer {key}\r\n"
+            "Content-Type: application/octet-stream\r\n"
+            "Transfer-Encoding: chunked\r\n"
+            "Trailer: Content-Digest\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        status, response = _raw_request(server.port, head, body)
+        assert status == 422, response
+        assert b"as a header" in response, response
+        with Client(server.url, key) as client:
+            names = [f.path for f in client.get(sb.id).list_files("/workspace")]
+        assert "/workspace/t" not in names, "nothing was written"
