@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 
 from sandlot.cli.app import _fail, _print_json, _settings, app, err, out
-from sandlot.errors import SandboxError
+from sandlot.errors import InvalidRequest, SandboxError
 
 if TYPE_CHECKING:
     from sandlot.server.keys import ApiKeyStore
@@ -77,6 +77,13 @@ def serve(
         bool, typer.Option("--public-metrics", help="Serve /metrics without a key.")
     ] = False,
     mcp: Annotated[bool, typer.Option("--mcp/--no-mcp", help="Serve MCP at /mcp.")] = True,
+    enable_backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--enable-backend",
+            help="Offer a development backend (fake) to tenants; repeat for several.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the HTTP API (and MCP at /mcp) until interrupted."""
     import uvicorn
@@ -84,6 +91,7 @@ def serve(
     from sandlot.config import home as resolve_home
     from sandlot.sdk import AsyncSandlot
     from sandlot.server import ApiKeyStore, Quota, ServerConfig, create_app
+    from sandlot.server.offer import offered
 
     config = ServerConfig(
         max_upload_bytes=max_upload_mb << 20,
@@ -93,6 +101,7 @@ def serve(
         admission_timeout=admission_timeout,
         metrics_public=public_metrics,
         mcp=mcp,
+        enable_backends=frozenset(enable_backend or ()),
     )
 
     async def main() -> None:
@@ -101,6 +110,15 @@ def serve(
 
         url = _database(database)
         sdk = AsyncSandlot(resolve_home(_settings.home), _settings.backend, url)
+        default = sdk.manager.default_backend
+        if default not in offered(sdk.manager.backends, default, config.enable_backends):
+            await sdk.aclose()
+            msg = (
+                f"the default backend {default!r} is a development backend, not offered to "
+                f"tenants unless enabled: pass --enable-backend {default}, or choose another "
+                f"with sandlot --backend NAME serve (or SANDLOT_BACKEND)"
+            )
+            raise InvalidRequest(msg)
         engine = sdk.manager.store.engine  # type: ignore[attr-defined]
         # Command output lives in the database, so a client reconnecting after a restart
         # gets the rest (or "outcome unknown" for a command that died with the server).

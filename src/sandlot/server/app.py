@@ -77,6 +77,7 @@ from sandlot.models import (
 )
 from sandlot.server.keys import ApiKeyStore
 from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
+from sandlot.server.offer import check_offered, offered
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
 from sandlot.server.problems import PayloadTooLarge, Unauthenticated, problem_body
 from sandlot.server.quotas import Admission, Quota
@@ -147,6 +148,8 @@ class ServerConfig:
         mcp: Mount the MCP endpoint at ``/mcp``.
         self_url: This server's own base URL, through which MCP tools call the API with the
             caller's key (default: derived from the first request's server address).
+        enable_backends: Development backends (``fake``) tenants may pick; every other backend
+            the Manager has is always offered (see :mod:`sandlot.server.offer`).
     """
 
     max_upload_bytes: int = 256 << 20
@@ -162,6 +165,7 @@ class ServerConfig:
     sweep_interval: float | None = 30.0
     mcp: bool = True
     self_url: str | None = None
+    enable_backends: frozenset[str] = frozenset()
 
     def quota_for(self, tenant: str) -> Quota:
         """The quota that applies to ``tenant``."""
@@ -618,7 +622,7 @@ def _routes(app: FastAPI) -> None:
     @app.get("/version", tags=["service"], response_model=VersionInfo)
     async def version(plane: PlaneDep) -> VersionInfo:
         m = plane.manager
-        names = sorted({m.default_backend, *m.backends})
+        names = offered(m.backends, m.default_backend, plane.config.enable_backends)
         return VersionInfo(version=__version__, backends=names, default_backend=m.default_backend)
 
     @app.get(
@@ -659,6 +663,9 @@ def _routes(app: FastAPI) -> None:
     async def create(
         body: CreateRequest, request: Request, actor: ActorDep, plane: PlaneDep, key: IdemDep
     ) -> Response:
+        m = plane.manager
+        enabled = plane.config.enable_backends
+        check_offered(body.backend or m.default_backend, m.backends, m.default_backend, enabled)
         spec = body.spec
         if body.git_auth is not None:
             if spec.git is None:

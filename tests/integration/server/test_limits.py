@@ -9,10 +9,16 @@ import hashlib
 import socket
 from pathlib import Path
 
+import httpx
+
 from sandlot.client import Client
 from sandlot.server import ServerConfig
 from sandlot.server.testing import ServerThread
 from sandlot.testing import FakeBackend
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 def _raw_request(port: int, head: str, body: bytes) -> tuple[int, bytes]:
@@ -51,3 +57,25 @@ def test_a_digest_sent_as_a_trailer_is_refused_not_ignored(tmp_path: Path) -> No
         with Client(server.url, key) as client:
             names = [f.path for f in client.get(sb.id).list_files("/workspace")]
         assert "/workspace/t" not in names, "nothing was written"
+
+
+def test_the_fake_backend_is_offered_only_when_the_operator_enables_it(tmp_path: Path) -> None:
+    # No backends handed in: the server offers what the registry builds, fake not among them.
+    with ServerThread(tmp_path / "off", backend="local") as server:
+        key = server.new_key("picky")
+        with httpx.Client(base_url=server.url, headers=_auth(key)) as http:
+            r = http.post("/v1/sandboxes", json={"spec": {}, "backend": "fake"})
+            assert r.status_code == 422, r.text
+            detail = r.json()["detail"]
+            assert "'fake' is not enabled" in detail
+            assert "enabled backends: local" in detail
+            assert http.get("/v1/sandboxes").json() == [], "nothing was made"
+        assert "fake" not in httpx.get(f"{server.url}/version").json()["backends"]
+    config = ServerConfig(sweep_interval=None, enable_backends=frozenset({"fake"}))
+    with ServerThread(tmp_path / "on", backend="local", config=config) as server:
+        key = server.new_key("picky")
+        with Client(server.url, key) as client:
+            sb = client.create(backend="fake")
+            assert sb.exec("echo on").stdout == "on\n"
+            sb.destroy()
+        assert "fake" in httpx.get(f"{server.url}/version").json()["backends"]
