@@ -55,7 +55,12 @@ def serve(
         int | None, typer.Option("--max-sandboxes", min=1, help="Live sandboxes per tenant.")
     ] = None,
     max_execs: Annotated[
-        int | None, typer.Option("--max-execs", min=1, help="Concurrent commands per tenant.")
+        int | None,
+        typer.Option(
+            "--max-execs",
+            min=1,
+            help="Concurrent commands, background processes and terminals per tenant.",
+        ),
     ] = None,
     admission_timeout: Annotated[
         float,

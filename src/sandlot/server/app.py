@@ -80,7 +80,7 @@ from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
 from sandlot.server.offer import check_offered, offered
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
 from sandlot.server.problems import PayloadTooLarge, Unauthenticated, problem_body
-from sandlot.server.quotas import Admission, Quota
+from sandlot.server.quotas import Admission, Quota, hold_until_exit
 from sandlot.server.wire import (
     DIGEST_HEADER,
     IDEMPOTENCY_HEADER,
@@ -1012,12 +1012,27 @@ def _routes(app: FastAPI) -> None:
     async def start_process(
         sandbox_id: SandboxId, body: StartProcessRequest, actor: ActorDep, plane: PlaneDep
     ) -> Response:
-        # Shielded: a client that goes away must not leave a started process unrecorded.
-        info = await _shielded(
-            plane.manager.start_process(
-                sandbox_id, body.command, actor=actor, cwd=body.cwd, env=body.env, name=body.name
+        # A running background process holds one of the tenant's exec slots until it exits.
+        release = await plane.execs.acquire(actor.tenant)
+        try:
+            # Shielded: a client that goes away must not leave a started process unrecorded.
+            info = await _shielded(
+                plane.manager.start_process(
+                    sandbox_id,
+                    body.command,
+                    actor=actor,
+                    cwd=body.cwd,
+                    env=body.env,
+                    name=body.name,
+                )
             )
-        )
+        except BaseException:
+            release()
+            raise
+        if plane.config.quota_for(actor.tenant).max_concurrent_execs is not None:
+            plane.spawn(
+                lambda: hold_until_exit(plane.manager, actor.tenant, sandbox_id, info, release)
+            )
         return _json(info, 201)
 
     @app.get(
@@ -1594,9 +1609,15 @@ async def _pty_session(plane: _Plane, websocket: WebSocket, sandbox_id: str) -> 
     try:
         actor = await _ws_actor(plane, websocket)
         command, rows, cols, cwd, env = _pty_params(websocket.query_params)
-        session = await plane.manager.open_pty(
-            sandbox_id, command, actor=actor, rows=rows, cols=cols, cwd=cwd, env=env
-        )
+        # An open terminal holds one of the tenant's exec slots until it closes.
+        release = await plane.execs.acquire(actor.tenant)
+        try:
+            session = await plane.manager.open_pty(
+                sandbox_id, command, actor=actor, rows=rows, cols=cols, cwd=cwd, env=env
+            )
+        except BaseException:
+            release()
+            raise
     except SandboxError as e:
         if isinstance(e, PolicyDenied):
             plane.metrics.policy_decisions.labels(outcome="deny").inc()
@@ -1625,8 +1646,11 @@ async def _pty_session(plane: _Plane, websocket: WebSocket, sandbox_id: str) -> 
     except (WebSocketDisconnect, OSError, RuntimeError):
         pass  # the client went away: the terminal is hung up below
     finally:
-        with anyio.CancelScope(shield=True), contextlib.suppress(SandboxError, OSError):
-            await session.close()
+        try:
+            with anyio.CancelScope(shield=True), contextlib.suppress(SandboxError, OSError):
+                await session.close()
+        finally:
+            release()
 
 
 async def _pty_output(

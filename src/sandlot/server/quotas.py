@@ -11,6 +11,9 @@ concurrent requests on one server never overshoot. Across several server process
 database count is re-read while waiting, so they converge, but two processes admitting at the
 same instant may overshoot by one each (exact cross-process quotas belong to the journal).
 
+A background process holds its slot until it exits (:func:`hold_until_exit` watches it), a
+terminal while it is open.
+
 This module must not import the Manager, backends or a web framework.
 """
 
@@ -21,13 +24,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import final
+from typing import TYPE_CHECKING, Protocol, final
 
 import anyio
 
-from sandlot.errors import QuotaExceeded
+from sandlot.errors import QuotaExceeded, SandboxError
+from sandlot.models import system_actor
 
-__all__ = ["Admission", "Quota"]
+if TYPE_CHECKING:
+    from sandlot.models import Actor, ProcessInfo
+
+__all__ = ["Admission", "Quota", "hold_until_exit"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,7 @@ class Quota:
     max_live_sandboxes: int | None = None
     """Sandboxes not yet destroyed."""
     max_concurrent_execs: int | None = None
-    """Commands running at the same time."""
+    """Commands, background processes and terminals running at the same time."""
 
 
 @dataclass
@@ -159,3 +166,27 @@ class Admission:
 
 def _nothing() -> None:
     """The release of an unlimited slot."""
+
+
+class _ProcessWaiter(Protocol):
+    async def wait_process(
+        self, sandbox_id: str, process_id: str, *, actor: Actor, timeout: float | None = None
+    ) -> ProcessInfo: ...
+
+
+async def hold_until_exit(
+    manager: _ProcessWaiter,
+    tenant: str,
+    sandbox_id: str,
+    process: ProcessInfo,
+    release: Callable[[], None],
+) -> None:
+    """Call ``release`` once the background ``process`` exits (or can no longer be waited
+    for: its sandbox stopped or went away, taking the process with it)."""
+    try:
+        # As sandlot's own duty in the tenant, not as the tenant: its receipts say so.
+        await manager.wait_process(sandbox_id, process.id, actor=system_actor(tenant))
+    except SandboxError:
+        pass
+    finally:
+        release()

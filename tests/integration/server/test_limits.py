@@ -7,14 +7,21 @@ from __future__ import annotations
 import base64
 import hashlib
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
+import pytest
 
 from sandlot.client import Client
-from sandlot.server import ServerConfig
+from sandlot.errors import QuotaExceeded
+from sandlot.server import Quota, ServerConfig
 from sandlot.server.testing import ServerThread
 from sandlot.testing import FakeBackend
+
+T = TypeVar("T")
 
 
 def _auth(key: str) -> dict[str, str]:
@@ -79,3 +86,47 @@ def test_the_fake_backend_is_offered_only_when_the_operator_enables_it(tmp_path:
             assert sb.exec("echo on").stdout == "on\n"
             sb.destroy()
         assert "fake" in httpx.get(f"{server.url}/version").json()["backends"]
+
+
+def test_background_processes_and_terminals_hold_exec_slots(tmp_path: Path) -> None:
+    config = ServerConfig(
+        quota=Quota(max_concurrent_execs=2), admission_timeout=0.5, sweep_interval=None
+    )
+    with ServerThread(tmp_path, backends={"fake": FakeBackend()}, config=config) as server:
+        key = server.new_key("busy")
+        with Client(server.url, key) as client:
+            sb = client.create()
+            first = sb.start_process(["sleep", "1000"])
+            sb.start_process(["sleep", "1000"])
+            with pytest.raises(QuotaExceeded, match="limit of 2 concurrent execs"):
+                sb.start_process(["sleep", "1000"])
+            with pytest.raises(QuotaExceeded):
+                sb.exec("echo over")
+            with pytest.raises(QuotaExceeded):
+                sb.open_pty(["sh"])
+            running = [p for p in sb.list_processes() if p.running and p.command[0] == "sleep"]
+            assert len(running) == 2, "the refused start started nothing"
+
+            # An exit frees its slot: a terminal takes it, and holds it while open.
+            sb.signal_process(first.id, 9)
+            term = _eventually(lambda: sb.open_pty(["sh"]))
+            with pytest.raises(QuotaExceeded):
+                sb.start_process(["sleep", "1000"])
+            term.close()
+            _eventually(lambda: sb.start_process(["sleep", "1000"]))
+
+            # Destroying the sandbox ends its processes, and with them their slots.
+            sb.destroy()
+            other = client.create()
+            assert _eventually(lambda: other.exec("echo freed")).stdout == "freed\n"
+
+
+def _eventually(call: Callable[[], T], within: float = 10.0) -> T:
+    """``call()`` once a slot frees (slots come back asynchronously, as programs end)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return call()
+        except QuotaExceeded:
+            if time.monotonic() > deadline:
+                raise
