@@ -62,6 +62,14 @@ def serve(
             help="Concurrent commands, background processes and terminals per tenant.",
         ),
     ] = None,
+    max_uploads: Annotated[
+        int,
+        typer.Option("--max-uploads", min=1, help="Concurrent file uploads per tenant."),
+    ] = 4,
+    max_uploads_total: Annotated[
+        int,
+        typer.Option("--max-uploads-total", min=1, help="Concurrent file uploads in all."),
+    ] = 16,
     admission_timeout: Annotated[
         float,
         typer.Option("--admission-timeout", min=0, help="Seconds a request over quota waits."),
@@ -102,7 +110,12 @@ def serve(
         max_upload_bytes=max_upload_mb << 20,
         max_download_bytes=max_download_mb << 20,
         output_retention=output_retention,
-        quota=Quota(max_live_sandboxes=max_sandboxes, max_concurrent_execs=max_execs),
+        quota=Quota(
+            max_live_sandboxes=max_sandboxes,
+            max_concurrent_execs=max_execs,
+            max_concurrent_uploads=max_uploads,
+        ),
+        max_concurrent_uploads=max_uploads_total,
         admission_timeout=admission_timeout,
         metrics_public=public_metrics,
         mcp=mcp,

@@ -140,6 +140,8 @@ class ServerConfig:
         quota: Every tenant's quota unless ``tenant_quotas`` names it.
         tenant_quotas: Per-tenant quotas.
         admission_timeout: Seconds a request over quota waits for a slot before 429.
+        max_concurrent_uploads: Raw uploads in flight on the whole server (each tenant also
+            has its own ``Quota.max_concurrent_uploads``); None: unlimited.
         admission_queue: Requests that may wait per tenant and kind; more get 429 at once.
         metrics_public: Serve ``/metrics`` without a key (default: admin keys only).
         stdin_attach_timeout: Seconds a streamed-stdin exec waits for its input to attach.
@@ -159,6 +161,7 @@ class ServerConfig:
     quota: Quota = field(default_factory=Quota)
     tenant_quotas: dict[str, Quota] = field(default_factory=dict)
     admission_timeout: float = 30.0
+    max_concurrent_uploads: int | None = 16
     admission_queue: int = 64
     metrics_public: bool = False
     stdin_attach_timeout: float = 30.0
@@ -211,6 +214,19 @@ class _Plane:
             timeout=config.admission_timeout,
             max_waiters=config.admission_queue,
         )
+        self.uploads = Admission(
+            "concurrent uploads",
+            lambda t: config.quota_for(t).max_concurrent_uploads,
+            timeout=config.admission_timeout,
+            max_waiters=config.admission_queue,
+        )
+        self.all_uploads = Admission(
+            "concurrent uploads",
+            lambda _: config.max_concurrent_uploads,
+            timeout=config.admission_timeout,
+            max_waiters=config.admission_queue,
+            owner="this server",
+        )
         self.stdin: dict[str, _StdinPipe] = {}
         self.jobs: dict[str, _Job] = {}
         """Streamed jobs running in this process, by exec id."""
@@ -222,6 +238,22 @@ class _Plane:
             actor=Actor(tenant=tenant), limit=None if limit is None else limit + 1
         )
         return len(records)
+
+    async def upload_slot(self, tenant: str) -> Callable[[], None]:
+        """One of ``tenant``'s upload slots and one of the server's (the tenant's first, so
+        a tenant over its own limit never waits in the server's line)."""
+        release = await self.uploads.acquire(tenant)
+        try:
+            release_all = await self.all_uploads.acquire("*")
+        except BaseException:
+            release()
+            raise
+
+        def both() -> None:
+            release_all()
+            release()
+
+        return both
 
     def spawn(self, fn: Callable[[], Coroutine[object, object, None]]) -> None:
         if self.tasks is None:
@@ -1217,6 +1249,7 @@ def _routes(app: FastAPI) -> None:
             raise InvalidRequest(msg)
         digest = hashlib.sha256()
         size = 0
+        release = await plane.upload_slot(actor.tenant)
         # Spooled to disk past 1 MiB, not held in memory, and only then written: a body that
         # does not match its digest (or breaks off) writes nothing.
         spool = tempfile.SpooledTemporaryFile(max_size=1 << 20)  # noqa: SIM115 - closed below
@@ -1241,6 +1274,7 @@ def _routes(app: FastAPI) -> None:
             )
         finally:
             spool.close()
+            release()
         response = _json(info)
         response.headers[DIGEST_HEADER] = content_digest(digest.digest())
         return response

@@ -45,6 +45,9 @@ class Quota:
     """Sandboxes not yet destroyed."""
     max_concurrent_execs: int | None = None
     """Commands, background processes and terminals running at the same time."""
+    max_concurrent_uploads: int | None = 4
+    """Raw file uploads (``PUT …/files/content``) in flight at the same time; each is spooled
+    to the server's disk until it is complete, so this bounds what one tenant can park there."""
 
 
 @dataclass
@@ -66,6 +69,8 @@ class Admission:
         max_waiters: Requests that may wait per tenant; more fail at once.
         poll: Seconds between re-reads of ``in_use`` while waiting (other processes free
             slots without telling us).
+        owner: Who the slots belong to, for messages, when not each tenant (``this server``
+            for a limit shared by all tenants, all acquiring under one key).
     """
 
     def __init__(
@@ -77,8 +82,10 @@ class Admission:
         timeout: float = 30.0,
         max_waiters: int = 64,
         poll: float = 0.5,
+        owner: str | None = None,
     ) -> None:
         self.what = what
+        self.owner = owner
         self.limit = limit
         self.in_use = in_use
         self.timeout = timeout
@@ -105,11 +112,12 @@ class Admission:
         if limit is None:
             return _nothing
         t = self._tenants.setdefault(tenant, _Tenant())
+        who = self.owner or f"tenant {tenant!r}"
         if n > limit:
-            msg = f"asked for {n} {self.what} but tenant {tenant!r} may have at most {limit}"
+            msg = f"asked for {n} {self.what} but {who} may have at most {limit}"
             raise QuotaExceeded(msg, tenant=tenant, limit=limit)
         if len(t.queue) >= self.max_waiters:
-            msg = f"tenant {tenant!r} is at its limit of {limit} {self.what} and {len(t.queue)} requests already wait"
+            msg = f"{who} is at its limit of {limit} {self.what} and {len(t.queue)} requests already wait"
             raise QuotaExceeded(msg, tenant=tenant, limit=limit)
         me = object()
         t.queue.append(me)
@@ -124,7 +132,7 @@ class Admission:
                         await changed.wait()
             if scope.cancelled_caught:
                 msg = (
-                    f"tenant {tenant!r} stayed at its limit of {limit} {self.what} "
+                    f"{who} stayed at its limit of {limit} {self.what} "
                     f"for {time.monotonic() - started:.1f}s"
                 )
                 raise QuotaExceeded(msg, tenant=tenant, limit=limit)

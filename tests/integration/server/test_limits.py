@@ -7,8 +7,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -130,3 +131,72 @@ def _eventually(call: Callable[[], T], within: float = 10.0) -> T:
         except QuotaExceeded:
             if time.monotonic() > deadline:
                 raise
+
+
+def test_concurrent_uploads_are_capped_per_tenant_and_in_all(tmp_path: Path) -> None:
+    config = ServerConfig(
+        quota=Quota(max_concurrent_uploads=1),
+        max_concurrent_uploads=2,
+        admission_timeout=0.5,
+        sweep_interval=None,
+    )
+    with ServerThread(tmp_path, backends={"fake": FakeBackend()}, config=config) as server:
+        keys = {t: server.new_key(t) for t in ("a", "b", "c")}
+        sandboxes = {}
+        for tenant, key in keys.items():
+            with Client(server.url, key) as client:
+                sandboxes[tenant] = client.create().id
+        go_on = threading.Event()
+        results: dict[str, int] = {}
+
+        def stalled_upload(tenant: str) -> threading.Thread:
+            sent_first = threading.Event()
+
+            def body() -> Iterator[bytes]:
+                yield b"first part, "
+                sent_first.set()
+                go_on.wait(30)
+                yield b"then the rest"
+
+            def run() -> None:
+                with httpx.Client(base_url=server.url, headers=_auth(keys[tenant])) as http:
+                    r = http.put(
+                        f"/v1/sandboxes/{sandboxes[tenant]}/files/content",
+                        params={"path": "/workspace/slow"},
+                        content=body(),
+                    )
+                    results[tenant] = r.status_code
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            assert sent_first.wait(10)
+            time.sleep(0.3)  # the server took its slot and waits for the rest
+            return thread
+
+        def upload(tenant: str) -> httpx.Response:
+            with httpx.Client(base_url=server.url, headers=_auth(keys[tenant])) as http:
+                return http.put(
+                    f"/v1/sandboxes/{sandboxes[tenant]}/files/content",
+                    params={"path": "/workspace/quick"},
+                    content=b"quick",
+                )
+
+        slow = [stalled_upload("a")]
+        try:
+            own = upload("a")
+            assert own.status_code == 429, own.text
+            assert "tenant 'a' stayed at its limit of 1 concurrent uploads" in own.json()["detail"]
+            slow.append(stalled_upload("b"))
+            full = upload("c")
+            assert full.status_code == 429, full.text
+            assert (
+                "this server stayed at its limit of 2 concurrent uploads" in full.json()["detail"]
+            )
+        finally:
+            go_on.set()
+            for thread in slow:
+                thread.join(30)
+        assert results == {"a": 200, "b": 200}
+        # Finished uploads give their slots back.
+        for tenant in keys:
+            assert upload(tenant).status_code == 200
