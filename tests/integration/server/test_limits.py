@@ -170,7 +170,6 @@ def test_concurrent_uploads_are_capped_per_tenant_and_in_all(tmp_path: Path) -> 
             thread = threading.Thread(target=run)
             thread.start()
             assert sent_first.wait(10)
-            time.sleep(0.3)  # the server took its slot and waits for the rest
             return thread
 
         def upload(tenant: str) -> httpx.Response:
@@ -181,13 +180,20 @@ def test_concurrent_uploads_are_capped_per_tenant_and_in_all(tmp_path: Path) -> 
                     content=b"quick",
                 )
 
+        def refused(tenant: str) -> httpx.Response:
+            # Until the stalled upload holds its slot (the server admits in arrival order).
+            deadline = time.monotonic() + 10
+            while (r := upload(tenant)).status_code != 429 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return r
+
         slow = [stalled_upload("a")]
         try:
-            own = upload("a")
+            own = refused("a")
             assert own.status_code == 429, own.text
             assert "tenant 'a' stayed at its limit of 1 concurrent uploads" in own.json()["detail"]
             slow.append(stalled_upload("b"))
-            full = upload("c")
+            full = refused("c")
             assert full.status_code == 429, full.text
             assert (
                 "this server stayed at its limit of 2 concurrent uploads" in full.json()["detail"]

@@ -24,16 +24,20 @@ def _missing() -> str | None:
     return None
 
 
-def test_special_files_are_refused_as_a_bad_request(tmp_path: Path) -> None:
+@pytest.mark.parametrize("isolation", ["namespaces", "gvisor"])
+def test_special_files_are_refused_as_a_bad_request(tmp_path: Path, isolation: str) -> None:
     reason = _missing()
+    if isolation == "gvisor" and shutil.which("runsc") is None:
+        reason = "runsc (Debian package runsc)"
     if reason:
         pytest.skip(f"needs {reason}")
+    spec = {"network": "deny-all", "backend_options": {"local": {"isolation": isolation}}}
     with ServerThread(tmp_path / "srv", backend="local") as server:
         key = server.new_key("files-tenant")
         with httpx.Client(
             base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60
         ) as http:
-            made = http.post("/v1/sandboxes", json={"spec": {"network": "deny-all"}})
+            made = http.post("/v1/sandboxes", json={"spec": spec})
             assert made.status_code == 201, made.text
             sb = made.json()["id"]
             try:
