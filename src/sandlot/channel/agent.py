@@ -1750,6 +1750,34 @@ def file_info(path: str, st: Optional[os.stat_result] = None) -> JsonObj:
     return info
 
 
+def _readable_kind(path: str, mode: int) -> None:
+    """Raise INVALID unless ``mode`` is a regular file's."""
+    if _stat.S_ISREG(mode):
+        return
+    if _stat.S_ISDIR(mode):
+        raise AgentError(INVALID, "%s: is a directory" % path, errno="EISDIR")
+    kind = "a device" if _stat.S_ISCHR(mode) or _stat.S_ISBLK(mode) else "a special file"
+    raise AgentError(INVALID, "%s: is %s, not a regular file: it cannot be read" % (path, kind))
+
+
+_PSEUDO_ROOTS = ("/proc", "/sys")
+
+
+def _on_pseudo_fs(fd: int) -> bool:
+    """Whether ``fd`` is a file of procfs or sysfs (whose reads may fail by design)."""
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return False
+    for root in _PSEUDO_ROOTS:
+        try:
+            if os.stat(root).st_dev == dev:
+                return True
+        except OSError:
+            pass
+    return False
+
+
 class FileRead(Stream):
     """``file.read``: a regular file's bytes from an offset; with ``follow``, tail it."""
 
@@ -1771,13 +1799,15 @@ class FileRead(Stream):
         self.pump()
 
     def _open(self) -> int:
+        # Checked before the open too: opening a device can fail (/dev/tty without a
+        # controlling terminal: ENXIO) or act (a tape rewinds), and neither is a read.
+        _readable_kind(self.path, os.stat(self.path).st_mode)
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        st = os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode):
+        try:
+            _readable_kind(self.path, os.fstat(fd).st_mode)
+        except AgentError:
             os.close(fd)
-            if _stat.S_ISDIR(st.st_mode):
-                raise AgentError(INVALID, "%s: is a directory" % self.path, errno="EISDIR")
-            raise AgentError(INVALID, "%s: not a regular file" % self.path)
+            raise
         return fd
 
     def pump(self) -> None:
@@ -1791,8 +1821,17 @@ class FileRead(Stream):
             try:
                 data = os.pread(self.fd, n, self.pos)
             except OSError as e:
+                pseudo = _on_pseudo_fs(self.fd)
                 self.close_fd()
                 err = os_error(e, self.path)
+                if pseudo:
+                    # /proc/<pid>/mem and kin open as regular files but refuse plain reads
+                    # (EIO at unmapped offsets): the request's fault, not a broken sandbox.
+                    err = AgentError(
+                        INVALID,
+                        "%s: cannot be read through the file API (%s)" % (self.path, e.strerror),
+                        **err.details,
+                    )
                 self.fail(err.code, err.message, **err.details)
                 return
             if not data:

@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 
 from sandlot.cli.app import _fail, _print_json, _settings, app, err, out
-from sandlot.errors import SandboxError
+from sandlot.errors import InvalidRequest, SandboxError
 
 if TYPE_CHECKING:
     from sandlot.server.keys import ApiKeyStore
@@ -55,8 +55,21 @@ def serve(
         int | None, typer.Option("--max-sandboxes", min=1, help="Live sandboxes per tenant.")
     ] = None,
     max_execs: Annotated[
-        int | None, typer.Option("--max-execs", min=1, help="Concurrent commands per tenant.")
+        int | None,
+        typer.Option(
+            "--max-execs",
+            min=1,
+            help="Concurrent commands, background processes and terminals per tenant.",
+        ),
     ] = None,
+    max_uploads: Annotated[
+        int,
+        typer.Option("--max-uploads", min=1, help="Concurrent file uploads per tenant."),
+    ] = 4,
+    max_uploads_total: Annotated[
+        int,
+        typer.Option("--max-uploads-total", min=1, help="Concurrent file uploads in all."),
+    ] = 16,
     admission_timeout: Annotated[
         float,
         typer.Option("--admission-timeout", min=0, help="Seconds a request over quota waits."),
@@ -77,6 +90,13 @@ def serve(
         bool, typer.Option("--public-metrics", help="Serve /metrics without a key.")
     ] = False,
     mcp: Annotated[bool, typer.Option("--mcp/--no-mcp", help="Serve MCP at /mcp.")] = True,
+    enable_backend: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--enable-backend",
+            help="Offer a development backend (fake) to tenants; repeat for several.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the HTTP API (and MCP at /mcp) until interrupted."""
     import uvicorn
@@ -84,15 +104,22 @@ def serve(
     from sandlot.config import home as resolve_home
     from sandlot.sdk import AsyncSandlot
     from sandlot.server import ApiKeyStore, Quota, ServerConfig, create_app
+    from sandlot.server.offer import offered
 
     config = ServerConfig(
         max_upload_bytes=max_upload_mb << 20,
         max_download_bytes=max_download_mb << 20,
         output_retention=output_retention,
-        quota=Quota(max_live_sandboxes=max_sandboxes, max_concurrent_execs=max_execs),
+        quota=Quota(
+            max_live_sandboxes=max_sandboxes,
+            max_concurrent_execs=max_execs,
+            max_concurrent_uploads=max_uploads,
+        ),
+        max_concurrent_uploads=max_uploads_total,
         admission_timeout=admission_timeout,
         metrics_public=public_metrics,
         mcp=mcp,
+        enable_backends=frozenset(enable_backend or ()),
     )
 
     async def main() -> None:
@@ -101,6 +128,15 @@ def serve(
 
         url = _database(database)
         sdk = AsyncSandlot(resolve_home(_settings.home), _settings.backend, url)
+        default = sdk.manager.default_backend
+        if default not in offered(sdk.manager.backends, default, config.enable_backends):
+            await sdk.aclose()
+            msg = (
+                f"the default backend {default!r} is a development backend, not offered to "
+                f"tenants unless enabled: pass --enable-backend {default}, or choose another "
+                f"with sandlot --backend NAME serve (or SANDLOT_BACKEND)"
+            )
+            raise InvalidRequest(msg)
         engine = sdk.manager.store.engine  # type: ignore[attr-defined]
         # Command output lives in the database, so a client reconnecting after a restart
         # gets the rest (or "outcome unknown" for a command that died with the server).

@@ -77,9 +77,10 @@ from sandlot.models import (
 )
 from sandlot.server.keys import ApiKeyStore
 from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
+from sandlot.server.offer import check_offered, offered
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
 from sandlot.server.problems import PayloadTooLarge, Unauthenticated, problem_body
-from sandlot.server.quotas import Admission, Quota
+from sandlot.server.quotas import Admission, Quota, hold_until_exit
 from sandlot.server.wire import (
     DIGEST_HEADER,
     IDEMPOTENCY_HEADER,
@@ -113,6 +114,7 @@ from sandlot.server.wire import (
     b64encode,
     content_digest,
     parse_digest,
+    refuse_digest_trailer,
 )
 
 __all__ = ["ServerConfig", "create_app"]
@@ -138,6 +140,8 @@ class ServerConfig:
         quota: Every tenant's quota unless ``tenant_quotas`` names it.
         tenant_quotas: Per-tenant quotas.
         admission_timeout: Seconds a request over quota waits for a slot before 429.
+        max_concurrent_uploads: Raw uploads in flight on the whole server (each tenant also
+            has its own ``Quota.max_concurrent_uploads``); None: unlimited.
         admission_queue: Requests that may wait per tenant and kind; more get 429 at once.
         metrics_public: Serve ``/metrics`` without a key (default: admin keys only).
         stdin_attach_timeout: Seconds a streamed-stdin exec waits for its input to attach.
@@ -146,6 +150,8 @@ class ServerConfig:
         mcp: Mount the MCP endpoint at ``/mcp``.
         self_url: This server's own base URL, through which MCP tools call the API with the
             caller's key (default: derived from the first request's server address).
+        enable_backends: Development backends (``fake``) tenants may pick; every other backend
+            the Manager has is always offered (see :mod:`sandlot.server.offer`).
     """
 
     max_upload_bytes: int = 256 << 20
@@ -155,12 +161,14 @@ class ServerConfig:
     quota: Quota = field(default_factory=Quota)
     tenant_quotas: dict[str, Quota] = field(default_factory=dict)
     admission_timeout: float = 30.0
+    max_concurrent_uploads: int | None = 16
     admission_queue: int = 64
     metrics_public: bool = False
     stdin_attach_timeout: float = 30.0
     sweep_interval: float | None = 30.0
     mcp: bool = True
     self_url: str | None = None
+    enable_backends: frozenset[str] = frozenset()
 
     def quota_for(self, tenant: str) -> Quota:
         """The quota that applies to ``tenant``."""
@@ -206,6 +214,19 @@ class _Plane:
             timeout=config.admission_timeout,
             max_waiters=config.admission_queue,
         )
+        self.uploads = Admission(
+            "concurrent uploads",
+            lambda t: config.quota_for(t).max_concurrent_uploads,
+            timeout=config.admission_timeout,
+            max_waiters=config.admission_queue,
+        )
+        self.all_uploads = Admission(
+            "concurrent uploads",
+            lambda _: config.max_concurrent_uploads,
+            timeout=config.admission_timeout,
+            max_waiters=config.admission_queue,
+            owner="this server",
+        )
         self.stdin: dict[str, _StdinPipe] = {}
         self.jobs: dict[str, _Job] = {}
         """Streamed jobs running in this process, by exec id."""
@@ -217,6 +238,22 @@ class _Plane:
             actor=Actor(tenant=tenant), limit=None if limit is None else limit + 1
         )
         return len(records)
+
+    async def upload_slot(self, tenant: str) -> Callable[[], None]:
+        """One of ``tenant``'s upload slots and one of the server's (the tenant's first, so
+        a tenant over its own limit never waits in the server's line)."""
+        release = await self.uploads.acquire(tenant)
+        try:
+            release_all = await self.all_uploads.acquire("*")
+        except BaseException:
+            release()
+            raise
+
+        def both() -> None:
+            release_all()
+            release()
+
+        return both
 
     def spawn(self, fn: Callable[[], Coroutine[object, object, None]]) -> None:
         if self.tasks is None:
@@ -617,7 +654,7 @@ def _routes(app: FastAPI) -> None:
     @app.get("/version", tags=["service"], response_model=VersionInfo)
     async def version(plane: PlaneDep) -> VersionInfo:
         m = plane.manager
-        names = sorted({m.default_backend, *m.backends})
+        names = offered(m.backends, m.default_backend, plane.config.enable_backends)
         return VersionInfo(version=__version__, backends=names, default_backend=m.default_backend)
 
     @app.get(
@@ -658,6 +695,9 @@ def _routes(app: FastAPI) -> None:
     async def create(
         body: CreateRequest, request: Request, actor: ActorDep, plane: PlaneDep, key: IdemDep
     ) -> Response:
+        m = plane.manager
+        enabled = plane.config.enable_backends
+        check_offered(body.backend or m.default_backend, m.backends, m.default_backend, enabled)
         spec = body.spec
         if body.git_auth is not None:
             if spec.git is None:
@@ -1004,12 +1044,27 @@ def _routes(app: FastAPI) -> None:
     async def start_process(
         sandbox_id: SandboxId, body: StartProcessRequest, actor: ActorDep, plane: PlaneDep
     ) -> Response:
-        # Shielded: a client that goes away must not leave a started process unrecorded.
-        info = await _shielded(
-            plane.manager.start_process(
-                sandbox_id, body.command, actor=actor, cwd=body.cwd, env=body.env, name=body.name
+        # A running background process holds one of the tenant's exec slots until it exits.
+        release = await plane.execs.acquire(actor.tenant)
+        try:
+            # Shielded: a client that goes away must not leave a started process unrecorded.
+            info = await _shielded(
+                plane.manager.start_process(
+                    sandbox_id,
+                    body.command,
+                    actor=actor,
+                    cwd=body.cwd,
+                    env=body.env,
+                    name=body.name,
+                )
             )
-        )
+        except BaseException:
+            release()
+            raise
+        if plane.config.quota_for(actor.tenant).max_concurrent_execs is not None:
+            plane.spawn(
+                lambda: hold_until_exit(plane.manager, actor.tenant, sandbox_id, info, release)
+            )
         return _json(info, 201)
 
     @app.get(
@@ -1187,12 +1242,14 @@ def _routes(app: FastAPI) -> None:
         digest_header: Annotated[str | None, Header(alias=DIGEST_HEADER)] = None,
     ) -> Response:
         limit = plane.config.max_upload_bytes
+        refuse_digest_trailer(request.headers.get("trailer"))
         expected = parse_digest(digest_header)
         if digest_header and expected is None:
             msg = f"{DIGEST_HEADER} must be sha-256=:<base64>:"
             raise InvalidRequest(msg)
         digest = hashlib.sha256()
         size = 0
+        release = await plane.upload_slot(actor.tenant)
         # Spooled to disk past 1 MiB, not held in memory, and only then written: a body that
         # does not match its digest (or breaks off) writes nothing.
         spool = tempfile.SpooledTemporaryFile(max_size=1 << 20)  # noqa: SIM115 - closed below
@@ -1217,6 +1274,7 @@ def _routes(app: FastAPI) -> None:
             )
         finally:
             spool.close()
+            release()
         response = _json(info)
         response.headers[DIGEST_HEADER] = content_digest(digest.digest())
         return response
@@ -1585,9 +1643,15 @@ async def _pty_session(plane: _Plane, websocket: WebSocket, sandbox_id: str) -> 
     try:
         actor = await _ws_actor(plane, websocket)
         command, rows, cols, cwd, env = _pty_params(websocket.query_params)
-        session = await plane.manager.open_pty(
-            sandbox_id, command, actor=actor, rows=rows, cols=cols, cwd=cwd, env=env
-        )
+        # An open terminal holds one of the tenant's exec slots until it closes.
+        release = await plane.execs.acquire(actor.tenant)
+        try:
+            session = await plane.manager.open_pty(
+                sandbox_id, command, actor=actor, rows=rows, cols=cols, cwd=cwd, env=env
+            )
+        except BaseException:
+            release()
+            raise
     except SandboxError as e:
         if isinstance(e, PolicyDenied):
             plane.metrics.policy_decisions.labels(outcome="deny").inc()
@@ -1616,8 +1680,11 @@ async def _pty_session(plane: _Plane, websocket: WebSocket, sandbox_id: str) -> 
     except (WebSocketDisconnect, OSError, RuntimeError):
         pass  # the client went away: the terminal is hung up below
     finally:
-        with anyio.CancelScope(shield=True), contextlib.suppress(SandboxError, OSError):
-            await session.close()
+        try:
+            with anyio.CancelScope(shield=True), contextlib.suppress(SandboxError, OSError):
+                await session.close()
+        finally:
+            release()
 
 
 async def _pty_output(

@@ -11,6 +11,9 @@ concurrent requests on one server never overshoot. Across several server process
 database count is re-read while waiting, so they converge, but two processes admitting at the
 same instant may overshoot by one each (exact cross-process quotas belong to the journal).
 
+A background process holds its slot until it exits (:func:`hold_until_exit` watches it), a
+terminal while it is open.
+
 This module must not import the Manager, backends or a web framework.
 """
 
@@ -21,13 +24,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import final
+from typing import TYPE_CHECKING, Protocol, final
 
 import anyio
 
-from sandlot.errors import QuotaExceeded
+from sandlot.errors import QuotaExceeded, SandboxError
+from sandlot.models import system_actor
 
-__all__ = ["Admission", "Quota"]
+if TYPE_CHECKING:
+    from sandlot.models import Actor, ProcessInfo
+
+__all__ = ["Admission", "Quota", "hold_until_exit"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,10 @@ class Quota:
     max_live_sandboxes: int | None = None
     """Sandboxes not yet destroyed."""
     max_concurrent_execs: int | None = None
-    """Commands running at the same time."""
+    """Commands, background processes and terminals running at the same time."""
+    max_concurrent_uploads: int | None = 4
+    """Raw file uploads (``PUT …/files/content``) in flight at the same time; each is spooled
+    to the server's disk until it is complete, so this bounds what one tenant can park there."""
 
 
 @dataclass
@@ -59,6 +69,8 @@ class Admission:
         max_waiters: Requests that may wait per tenant; more fail at once.
         poll: Seconds between re-reads of ``in_use`` while waiting (other processes free
             slots without telling us).
+        owner: Who the slots belong to, for messages, when not each tenant (``this server``
+            for a limit shared by all tenants, all acquiring under one key).
     """
 
     def __init__(
@@ -70,8 +82,10 @@ class Admission:
         timeout: float = 30.0,
         max_waiters: int = 64,
         poll: float = 0.5,
+        owner: str | None = None,
     ) -> None:
         self.what = what
+        self.owner = owner
         self.limit = limit
         self.in_use = in_use
         self.timeout = timeout
@@ -98,11 +112,12 @@ class Admission:
         if limit is None:
             return _nothing
         t = self._tenants.setdefault(tenant, _Tenant())
+        who = self.owner or f"tenant {tenant!r}"
         if n > limit:
-            msg = f"asked for {n} {self.what} but tenant {tenant!r} may have at most {limit}"
+            msg = f"asked for {n} {self.what} but {who} may have at most {limit}"
             raise QuotaExceeded(msg, tenant=tenant, limit=limit)
         if len(t.queue) >= self.max_waiters:
-            msg = f"tenant {tenant!r} is at its limit of {limit} {self.what} and {len(t.queue)} requests already wait"
+            msg = f"{who} is at its limit of {limit} {self.what} and {len(t.queue)} requests already wait"
             raise QuotaExceeded(msg, tenant=tenant, limit=limit)
         me = object()
         t.queue.append(me)
@@ -117,7 +132,7 @@ class Admission:
                         await changed.wait()
             if scope.cancelled_caught:
                 msg = (
-                    f"tenant {tenant!r} stayed at its limit of {limit} {self.what} "
+                    f"{who} stayed at its limit of {limit} {self.what} "
                     f"for {time.monotonic() - started:.1f}s"
                 )
                 raise QuotaExceeded(msg, tenant=tenant, limit=limit)
@@ -159,3 +174,27 @@ class Admission:
 
 def _nothing() -> None:
     """The release of an unlimited slot."""
+
+
+class _ProcessWaiter(Protocol):
+    async def wait_process(
+        self, sandbox_id: str, process_id: str, *, actor: Actor, timeout: float | None = None
+    ) -> ProcessInfo: ...
+
+
+async def hold_until_exit(
+    manager: _ProcessWaiter,
+    tenant: str,
+    sandbox_id: str,
+    process: ProcessInfo,
+    release: Callable[[], None],
+) -> None:
+    """Call ``release`` once the background ``process`` exits (or can no longer be waited
+    for: its sandbox stopped or went away, taking the process with it)."""
+    try:
+        # As sandlot's own duty in the tenant, not as the tenant: its receipts say so.
+        await manager.wait_process(sandbox_id, process.id, actor=system_actor(tenant))
+    except SandboxError:
+        pass
+    finally:
+        release()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -65,7 +66,8 @@ class ServerThread:
 
     Args:
         home: State directory (the SQLite database lives there unless ``database`` is given).
-        backends: Backend objects by name (a ``FakeBackend`` for tests).
+        backends: Backend objects by name (a ``FakeBackend`` for tests); each is enabled
+            for the server's tenants (``ServerConfig.enable_backends``).
         config: Server options.
         database: A database URL instead of the home's SQLite file.
         backend: Default backend name.
@@ -88,6 +90,11 @@ class ServerThread:
         self.home = home
         self.backends = backends
         self.config = config or ServerConfig()
+        if backends:
+            # Backends a test hands in are the ones it means its tenants to use (``fake``
+            # among them), as an operator enabling them would.
+            enabled = self.config.enable_backends | frozenset(backends)
+            self.config = dataclasses.replace(self.config, enable_backends=enabled)
         self.database = database_url(database, home)
         self.backend = backend
         self.durable_output = durable_output

@@ -3,7 +3,8 @@
 Records (``SandboxInfo``, ``ExecResult``, …) travel as the models in :mod:`sandlot.models`;
 this module adds only what is particular to HTTP: request bodies, the exec event stream, the
 problem document, and header names. Bytes travel as base64 inside JSON. This module imports
-pydantic and :mod:`sandlot.models` only (the client imports it without any web framework).
+pydantic, :mod:`sandlot.models` and :mod:`sandlot.errors` only (the client imports it without any
+web framework).
 
 The exec event stream (``text/event-stream``)::
 
@@ -38,6 +39,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sandlot.errors import InvalidRequest
 from sandlot.models import CommandSpec, JsonValue, NetworkPolicy, SandboxSpec
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
     "b64encode",
     "content_digest",
     "parse_digest",
+    "refuse_digest_trailer",
 ]
 
 PROBLEM_TYPE = "application/problem+json"
@@ -107,6 +110,21 @@ def b64decode(text: str) -> bytes:
 def content_digest(sha256: bytes) -> str:
     """An RFC 9530 ``Content-Digest`` value from a raw SHA-256 digest."""
     return f"sha-256=:{b64encode(sha256)}:"
+
+
+def refuse_digest_trailer(trailer: str | None) -> None:
+    """Refuse a request that announces its ``Content-Digest`` as a trailer.
+
+    Trailers of a chunked body never reach the application (ASGI has no place for them), so
+    a digest sent there would be silently unchecked: a corrupted upload would be written.
+    """
+    names = {name.strip().lower() for name in (trailer or "").split(",")}
+    if DIGEST_HEADER.lower() in names:
+        msg = (
+            f"{DIGEST_HEADER} was announced as a trailer, which this server cannot check: "
+            f"send it as a header (computed before the body)"
+        )
+        raise InvalidRequest(msg)
 
 
 def parse_digest(value: str | None) -> bytes | None:

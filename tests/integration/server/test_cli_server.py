@@ -106,7 +106,16 @@ def test_sandlot_serve(tmp_path: Path) -> None:
     key = sandlot("api-keys", "create", "--tenant", "served", env=env).stdout.strip()
     port = _free_port()
     proc = subprocess.Popen(
-        [*SANDLOT, "serve", "--port", str(port), "--max-sandboxes", "5"],
+        [
+            *SANDLOT,
+            "serve",
+            "--port",
+            str(port),
+            "--max-sandboxes",
+            "5",
+            "--enable-backend",
+            "fake",
+        ],
         env={**os.environ, **env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -138,3 +147,11 @@ def test_sandlot_serve(tmp_path: Path) -> None:
             _, err = proc.communicate()
     assert proc.returncode in (0, 130), err
     assert f"serving http://127.0.0.1:{port}" in err
+
+
+def test_sandlot_serve_refuses_a_default_backend_it_would_not_offer(tmp_path: Path) -> None:
+    env = {"SANDLOT_HOME": str(tmp_path), "SANDLOT_BACKEND": "fake"}
+    proc = sandlot("serve", "--port", str(_free_port()), env=env, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "--enable-backend fake" in " ".join(proc.stderr.split())
