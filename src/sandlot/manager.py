@@ -90,6 +90,7 @@ from sandlot.models import (
     system_actor,
     utcnow,
 )
+from sandlot.policy.normalize import normalize_path
 from sandlot.policy.request import Resource
 from sandlot.store.base import SandboxQuery
 from sandlot.taskgroups import lone_error
@@ -1114,10 +1115,11 @@ class Manager:
             channel = await self._channel(sb)
             digest = hashlib.sha256()
             size = 0
-            async for chunk in channel.read_file(path):
-                digest.update(chunk)
-                size += len(chunk)
-                yield chunk
+            async with self._resolved(actor, "fs.read", sb, channel, path) as real:
+                async for chunk in channel.read_file(real, nofollow=True):
+                    digest.update(chunk)
+                    size += len(chunk)
+                    yield chunk
             outcome.detail = {"sha256": digest.hexdigest(), "size": size}
         await self._touch(sb)
 
@@ -1195,10 +1197,23 @@ class Manager:
             nonlocal sb
             sb = await self._ready(sandbox_id, actor, auto_resume, sb)
             channel = await self._channel(sb)
+            async with self._resolved(
+                actor, "fs.write", sb, channel, path, follow_last=False
+            ) as real:
+                await write_at(channel, path, real, body, outcome)
+
+        async def write_at(
+            channel: Channel,
+            path: str,
+            real: str,
+            body: bytes | AsyncIterable[bytes],
+            outcome: _Outcome,
+        ) -> None:
             if isinstance(body, bytes):
-                infos.append(
-                    await self._channel_call(sb, channel.write_file(path, body, mode=mode))
+                info = await self._channel_call(
+                    sb, channel.write_file(real, body, mode=mode, nofollow=True)
                 )
+                infos.append(info.model_copy(update={"path": path}))
                 outcome.output = body
                 return
             digest = hashlib.sha256()
@@ -1208,9 +1223,10 @@ class Manager:
                     digest.update(chunk)
                     yield chunk
 
-            infos.append(
-                await self._channel_call(sb, channel.write_file(path, hashed(), mode=mode))
+            info = await self._channel_call(
+                sb, channel.write_file(real, hashed(), mode=mode, nofollow=True)
             )
+            infos.append(info.model_copy(update={"path": path}))
             outcome.output_hash = "sha256:" + digest.hexdigest()
 
         # The first file's decision also authorizes the intent; the others are decided inside
@@ -1239,7 +1255,8 @@ class Manager:
         async with self._gated(actor, "fs.list", sb, path=path) as outcome:
             sb = await self._ready(sandbox_id, actor, auto_resume, sb)
             channel = await self._channel(sb)
-            entries = await self._channel_call(sb, channel.list_files(path))
+            async with self._resolved(actor, "fs.list", sb, channel, path) as real:
+                entries = await self._channel_call(sb, channel.list_files(real, nofollow=True))
             outcome.detail = {"entries": len(entries)}
             return entries
 
@@ -1258,7 +1275,38 @@ class Manager:
         async with self._gated(actor, "fs.remove", sb, path=path, recursive=recursive):
             sb = await self._ready(sandbox_id, actor, auto_resume, sb)
             channel = await self._channel(sb)
-            await self._channel_call(sb, channel.remove(path, recursive=recursive))
+            async with self._resolved(
+                actor, "fs.remove", sb, channel, path, follow_last=False, recursive=recursive
+            ) as real:
+                await self._channel_call(
+                    sb, channel.remove(real, recursive=recursive, nofollow=True)
+                )
+
+    @contextlib.asynccontextmanager
+    async def _resolved(
+        self,
+        actor: Actor,
+        action: str,
+        sb: SandboxInfo,
+        channel: Channel,
+        path: str,
+        *,
+        follow_last: bool = True,
+        recursive: bool = False,
+    ) -> AsyncIterator[str]:
+        """``path`` as the sandbox resolves it; decided again when symlinks lead elsewhere.
+
+        The gate decided on the path as written, but a link planted inside (``/workspace/e``
+        -> ``/etc``) would carry the operation somewhere else, so the resolved path is decided
+        too (its receipt names it), and the channel is then told to act on exactly that path,
+        following no link (one swapped in after this check fails the operation).
+        """
+        real = await self._channel_call(sb, channel.resolve(path, follow_last=follow_last))
+        if real == normalize_path(path):
+            yield real
+            return
+        async with self._gated(actor, action, sb, path=real, recursive=recursive):
+            yield real
 
     async def logs(
         self,

@@ -807,7 +807,12 @@ class FakeChannel:
         self._next_pid += 1
         return _FakePty(f"pty{self._next_pid}", list(argv), rows, cols)
 
-    async def read_file(self, path: str) -> AsyncIterator[bytes]:
+    async def resolve(self, path: str, *, follow_last: bool = True) -> str:
+        """The path made normal (the fake filesystem has no symlinks)."""
+        self._backend._running(self._ref)
+        return posixpath.normpath(path).replace("//", "/")
+
+    async def read_file(self, path: str, *, nofollow: bool = False) -> AsyncIterator[bytes]:
         """A file's bytes."""
         self._backend._record(self._ref, "read_file", path=path)
         sb = self._backend._running(self._ref)
@@ -819,7 +824,12 @@ class FakeChannel:
             yield data[i : i + (1 << 16)]
 
     async def write_file(
-        self, path: str, data: bytes | AsyncIterable[bytes], *, mode: int | None = None
+        self,
+        path: str,
+        data: bytes | AsyncIterable[bytes],
+        *,
+        mode: int | None = None,
+        nofollow: bool = False,
     ) -> FileInfo:
         """Store a file."""
         body = await _collect(data)
@@ -834,7 +844,7 @@ class FakeChannel:
         self._backend._save()
         return self._info(sb, path)
 
-    async def list_files(self, path: str) -> list[FileInfo]:
+    async def list_files(self, path: str, *, nofollow: bool = False) -> list[FileInfo]:
         """Entries directly under ``path``."""
         self._backend._record(self._ref, "list_files", path=path)
         sb = self._backend._running(self._ref)
@@ -859,7 +869,7 @@ class FakeChannel:
         sb._parents(path + "/x")
         self._backend._save()
 
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
+    async def remove(self, path: str, *, recursive: bool = False, nofollow: bool = False) -> None:
         """Remove a file or a tree."""
         self._backend._record(self._ref, "remove", path=path, recursive=recursive)
         sb = self._backend._running(self._ref)

@@ -1788,6 +1788,7 @@ class FileRead(Stream):
             msg = '"offset" must be >= 0'
             raise _bad(msg)
         self.follow = bool(req.get("follow"))
+        self.nofollow = bool(req.get("nofollow"))
         self.fd = self._open()
         st = os.fstat(self.fd)
         self.ino = (st.st_dev, st.st_ino)
@@ -1800,9 +1801,15 @@ class FileRead(Stream):
 
     def _open(self) -> int:
         # Checked before the open too: opening a device can fail (/dev/tty without a
-        # controlling terminal: ENXIO) or act (a tape rewinds), and neither is a read.
-        _readable_kind(self.path, os.stat(self.path).st_mode)
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        # controlling terminal: ENXIO) or act (a tape rewinds), and neither is a read. A link
+        # met with nofollow is left to the open, which refuses it as a swapped path.
+        mode = os.stat(self.path, follow_symlinks=not self.nofollow).st_mode
+        if not _stat.S_ISLNK(mode):
+            _readable_kind(self.path, mode)
+        if self.nofollow:
+            fd = _open_nofollow(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        else:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             _readable_kind(self.path, os.fstat(fd).st_mode)
         except AgentError:
@@ -1902,19 +1909,41 @@ class FileWrite(Stream):
             msg = "%s: names a directory" % path
             raise _bad(msg)
         parent, name = os.path.split(path)
+        # With nofollow every name is relative to the parent's descriptor (dfd), opened
+        # without following links; otherwise dfd is None and names are whole paths.
+        self.dfd: Optional[int] = None
+        if req.get("nofollow"):
+            parts = _path_parts(path)
+            if not parts:
+                raise AgentError(INVALID, "%s: is a directory" % path, errno="EISDIR")
+            self.dfd = open_dir_nofollow(path, parts[:-1], create=True)
+            name = parts[-1]
         try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            st = None
-        if st is not None and _stat.S_ISDIR(st.st_mode):
-            raise AgentError(INVALID, "%s: is a directory" % path, errno="EISDIR")
-        if mode is None:
-            mode = _stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~sess.agent.umask
-        os.makedirs(parent or "/", exist_ok=True)
-        self.tmp = os.path.join(
-            parent, ".%s.sandlot-%s-%d.tmp" % (name[:200], sess.agent.boot, sid)
-        )
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            self.target = name if self.dfd is not None else path
+            try:
+                # A link in the last place is replaced, not followed (the rename below).
+                st = os.stat(self.target, dir_fd=self.dfd, follow_symlinks=self.dfd is None)
+            except FileNotFoundError:
+                st = None
+            if st is not None and _stat.S_ISDIR(st.st_mode):
+                raise AgentError(INVALID, "%s: is a directory" % path, errno="EISDIR")
+            if st is not None and _stat.S_ISLNK(st.st_mode):
+                st = None
+            if mode is None:
+                mode = _stat.S_IMODE(st.st_mode) if st is not None else 0o666 & ~sess.agent.umask
+            if self.dfd is None:
+                os.makedirs(parent or "/", exist_ok=True)
+            tmp = ".%s.sandlot-%s-%d.tmp" % (name[:200], sess.agent.boot, sid)
+            self.tmp = tmp if self.dfd is not None else os.path.join(parent, tmp)
+            self.fd = os.open(
+                self.tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o600,
+                dir_fd=self.dfd,
+            )
+        except BaseException:
+            self.close_dfd()
+            raise
         self.path = path
         self.mode = mode
         self.size = 0
@@ -1943,20 +1972,152 @@ class FileWrite(Stream):
             os.fchmod(self.fd, self.mode)
             os.close(self.fd)
             self.fd = -1
-            os.rename(self.tmp, self.path)
-            info = file_info(self.path)
+            os.rename(self.tmp, self.target, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
+            st = os.stat(self.target, dir_fd=self.dfd, follow_symlinks=False)
+            info = file_info(self.path, st)
         except OSError as e:
             self.abort()
             err = os_error(e, self.path)
             self.fail(err.code, err.message, **err.details)
             return
+        self.close_dfd()
         self.finish(info)
 
     def abort(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-            _ignore(os.unlink, self.tmp)
+            if self.dfd is None:
+                _ignore(os.unlink, self.tmp)
+            else:
+                _ignore(_unlink_at, self.tmp, self.dfd)
+        self.close_dfd()
+
+    def close_dfd(self) -> None:
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
+
+
+MAX_LINKS = 40  # as the kernel's MAXSYMLINKS
+_DIR_NOFOLLOW = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def resolve_path(path: str, follow_last: bool) -> str:
+    """``path`` with every symlink resolved inside this root, as the kernel would.
+
+    ``/`` is the sandbox's own root, so an absolute link target starts over from it and ``..``
+    stops at it: no link leads out. What does not exist (yet) is kept as written. Without
+    ``follow_last`` a link in the last place is kept: the operation acts on the link itself.
+    """
+    todo = [c for c in path.split("/") if c]
+    todo.reverse()
+    parts: List[str] = []
+    links = 0
+    while todo:
+        name = todo.pop()
+        if name == ".":
+            continue
+        if name == "..":
+            if parts:
+                parts.pop()
+            continue
+        here = "/" + "/".join([*parts, name])
+        try:
+            st = os.lstat(here)
+        except OSError:
+            parts.append(name)  # not there (yet): the operation itself says why if it matters
+            continue
+        if _stat.S_ISLNK(st.st_mode) and (todo or follow_last):
+            links += 1
+            if links > MAX_LINKS:
+                raise AgentError(
+                    INVALID,
+                    "%s: too many levels of symbolic links" % path,
+                    errno="ELOOP",
+                    path=path,
+                )
+            target = os.readlink(here)
+            if target.startswith("/"):
+                parts = []
+            todo.extend(reversed([c for c in target.split("/") if c]))
+            continue
+        parts.append(name)
+    return "/" + "/".join(parts)
+
+
+def _path_parts(path: str) -> List[str]:
+    parts = [c for c in path.split("/") if c]
+    if "." in parts or ".." in parts:
+        msg = "%s: not a resolved path (contains . or ..)" % path
+        raise _bad(msg)
+    return parts
+
+
+def open_dir_nofollow(path: str, parts: List[str], create: bool = False) -> int:
+    """A descriptor of the directory ``/parts...``, opened one component at a time without
+    following a symlink: the path the host decided on is the path acted on, even when a link is
+    swapped in after the decision (that is an error, never a detour)."""
+    fd = os.open("/", _DIR_NOFOLLOW)
+    try:
+        for i, name in enumerate(parts):
+            try:
+                nfd = os.open(name, _DIR_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                _ignore(_mkdir_at, name, fd)  # lost a race to create it: fine, open it
+                nfd = os.open(name, _DIR_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(fd, name):
+                    raise _moved(path, "/" + "/".join(parts[: i + 1])) from None
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _mkdir_at(name: str, dfd: int) -> None:
+    os.mkdir(name, 0o777, dir_fd=dfd)
+
+
+def _unlink_at(name: str, dfd: int) -> None:
+    os.unlink(name, dir_fd=dfd)
+
+
+def _is_link(dfd: int, name: str) -> bool:
+    try:
+        return _stat.S_ISLNK(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _moved(path: str, link: str) -> AgentError:
+    return AgentError(
+        CONFLICT,
+        "%s: %s is a symbolic link now; the path changed after it was resolved, ask again"
+        % (path, link),
+        errno="ELOOP",
+        path=path,
+    )
+
+
+def _open_nofollow(path: str, flags: int) -> int:
+    parts = _path_parts(path)
+    if not parts:
+        return os.open("/", flags | os.O_NOFOLLOW)
+    dfd = open_dir_nofollow(path, parts[:-1])
+    try:
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _moved(path, path) from None
+        raise
+    finally:
+        os.close(dfd)
 
 
 def rmtree(path: str) -> None:
@@ -2063,6 +2224,19 @@ def op_file_list(sess: Session, sid: int, req: JsonObj) -> JsonObj:
     path = req_path(req)
     base = path if path.endswith("/") else path + "/"
     entries = []
+    if req.get("nofollow"):
+        dfd = open_dir_nofollow(path, _path_parts(path))
+        try:
+            with os.scandir(dfd) as it:
+                for entry in it:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    entries.append(file_info(base + entry.name, st))
+        finally:
+            os.close(dfd)
+        return _send_entries(sess, sid, entries)
     with os.scandir(path) as it:
         for entry in it:
             try:
@@ -2070,6 +2244,10 @@ def op_file_list(sess: Session, sid: int, req: JsonObj) -> JsonObj:
             except OSError:
                 continue
             entries.append(file_info(base + entry.name, st))
+    return _send_entries(sess, sid, entries)
+
+
+def _send_entries(sess: Session, sid: int, entries: List[JsonObj]) -> JsonObj:
     entries.sort(key=lambda e: e["name"])
     # Large directories go out in several EVENT frames so no frame nears the size limit.
     for i in range(0, len(entries), 1000):
@@ -2089,6 +2267,14 @@ def op_file_remove(sess: Session, sid: int, req: JsonObj) -> JsonObj:
     if os.path.normpath(path) == "/":
         msg = "refusing to remove /"
         raise _bad(msg)
+    if req.get("nofollow"):
+        parts = _path_parts(path)
+        dfd = open_dir_nofollow(path, parts[:-1])
+        try:
+            _remove_at(dfd, parts[-1], bool(req.get("recursive")))
+        finally:
+            os.close(dfd)
+        return {}
     st = os.lstat(path)
     if _stat.S_ISDIR(st.st_mode):
         if req.get("recursive"):
@@ -2098,6 +2284,24 @@ def op_file_remove(sess: Session, sid: int, req: JsonObj) -> JsonObj:
     else:
         os.unlink(path)
     return {}
+
+
+def _remove_at(dfd: int, name: str, recursive: bool) -> None:
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if not _stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dfd)
+        return
+    if recursive:
+        sub = os.open(name, _DIR_NOFOLLOW, dir_fd=dfd)
+        try:
+            _rm_contents(sub)
+        finally:
+            os.close(sub)
+    os.rmdir(name, dir_fd=dfd)
+
+
+def op_file_resolve(sess: Session, sid: int, req: JsonObj) -> JsonObj:
+    return {"path": resolve_path(req_path(req), req.get("follow_last", True) is not False)}
 
 
 def op_file_chmod(sess: Session, sid: int, req: JsonObj) -> JsonObj:
@@ -2173,6 +2377,7 @@ OPS: Dict[str, Handler] = {
     "file.mkdir": op_file_mkdir,
     "file.remove": op_file_remove,
     "file.chmod": op_file_chmod,
+    "file.resolve": op_file_resolve,
     "agent.info": op_info,
     "clock.set": op_clock_set,
     "fd.count": op_fd_count,

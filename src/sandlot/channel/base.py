@@ -136,18 +136,31 @@ class Channel(Protocol):
         """Start a program on a new terminal."""
         ...
 
-    def read_file(self, path: str) -> AsyncIterator[bytes]:
-        """A file's bytes in chunks (no size cap)."""
+    async def resolve(self, path: str, *, follow_last: bool = True) -> str:
+        """``path`` with its symlinks resolved inside the sandbox's root, so a policy decides
+        on what an operation will touch; without ``follow_last`` a link in the last place is
+        kept (writes replace it, removes remove it)."""
+        ...
+
+    def read_file(self, path: str, *, nofollow: bool = False) -> AsyncIterator[bytes]:
+        """A file's bytes in chunks (no size cap). With ``nofollow`` a symlink anywhere in
+        ``path`` is an error: the path must be one :meth:`resolve` returned."""
         ...
 
     async def write_file(
-        self, path: str, data: bytes | AsyncIterable[bytes], *, mode: int | None = None
+        self,
+        path: str,
+        data: bytes | AsyncIterable[bytes],
+        *,
+        mode: int | None = None,
+        nofollow: bool = False,
     ) -> FileInfo:
-        """Create or replace a file (parents are made); atomic for readers inside."""
+        """Create or replace a file (parents are made); atomic for readers inside.
+        ``nofollow``: a symlink in a parent is an error (a final one is replaced)."""
         ...
 
-    async def list_files(self, path: str) -> list[FileInfo]:
-        """A directory's entries, sorted by name."""
+    async def list_files(self, path: str, *, nofollow: bool = False) -> list[FileInfo]:
+        """A directory's entries, sorted by name (``nofollow`` as for :meth:`read_file`)."""
         ...
 
     async def stat(self, path: str) -> FileInfo:
@@ -158,8 +171,9 @@ class Channel(Protocol):
         """Make a directory and its parents (no error if it exists)."""
         ...
 
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
-        """Remove a file, or a directory tree with ``recursive``."""
+    async def remove(self, path: str, *, recursive: bool = False, nofollow: bool = False) -> None:
+        """Remove a file, or a directory tree with ``recursive``. ``nofollow``: a symlink in a
+        parent is an error (a final one is removed itself)."""
         ...
 
     async def chmod(self, path: str, mode: int) -> None:

@@ -46,6 +46,8 @@ from sandlot.channel.protocol import (
 from sandlot.errors import (
     BackendError,
     InvalidRequest,
+    NotFound,
+    NotSupported,
     SandboxError,
     SandboxTimeout,
 )
@@ -58,6 +60,7 @@ _RECEIVE_SIZE: Final = 1 << 20
 _GRANT_AT: Final = WINDOW // 4
 _CANCEL_GRACE: Final = 2.0
 _EXEC_SLACK: Final = 30.0
+_MAX_LINKS: Final = 40  # the kernel's MAXSYMLINKS, as the agent's file.resolve
 """How long past an exec's own timeout the client waits for the agent's verdict."""
 
 _Item = tuple[int, int, object]
@@ -736,9 +739,54 @@ class AgentChannel:
         return AgentPty(conn, st, str(payload.get("id", st.sid)), _int(payload.get("pid")))
 
     # files
-    def read_file(self, path: str) -> AsyncIterator[bytes]:
+    async def resolve(self, path: str, *, follow_last: bool = True) -> str:
+        """``path`` with its symlinks resolved inside the sandbox (a link never leads out of
+        its root); without ``follow_last`` a link in the last place is kept."""
+        try:
+            reply = await self._call(
+                {"op": "file.resolve", "path": _abs_path(path), "follow_last": follow_last}
+            )
+        except NotSupported:
+            # An agent started before file.resolve existed (a sandbox running across an
+            # upgrade): the same walk, one lstat per component.
+            return await self._resolve_by_stat(path, follow_last=follow_last)
+        resolved = reply.get("path")
+        if not isinstance(resolved, str) or not resolved.startswith("/"):
+            msg = f"the agent resolved {path!r} to {resolved!r}, not an absolute path"
+            raise BackendError(msg)
+        return resolved
+
+    async def _resolve_by_stat(self, path: str, *, follow_last: bool) -> str:
+        todo = [c for c in path.split("/") if c]
+        todo.reverse()
+        parts: list[str] = []
+        links = 0
+        while todo:
+            name = todo.pop()
+            if name in (".", ".."):
+                if name == ".." and parts:
+                    parts.pop()
+                continue
+            try:
+                info = await self.stat("/" + "/".join([*parts, name]))
+            except (NotFound, InvalidRequest):
+                parts.append(name)
+                continue
+            if info.type == "symlink" and info.target and (todo or follow_last):
+                links += 1
+                if links > _MAX_LINKS:
+                    msg = f"{path}: too many levels of symbolic links"
+                    raise InvalidRequest(msg, path=path)
+                if info.target.startswith("/"):
+                    parts = []
+                todo.extend(reversed([c for c in info.target.split("/") if c]))
+                continue
+            parts.append(name)
+        return "/" + "/".join(parts)
+
+    def read_file(self, path: str, *, nofollow: bool = False) -> AsyncIterator[bytes]:
         """A file's bytes in chunks (no size cap). Only regular files can be read."""
-        return self._read(_abs_path(path), 0, follow=False)
+        return self._read(_abs_path(path), 0, follow=False, nofollow=nofollow)
 
     def follow_file(
         self, path: str, *, offset: int = 0, follow: bool = False
@@ -751,9 +799,17 @@ class AgentChannel:
             raise InvalidRequest(msg)
         return self._read(_abs_path(path), offset, follow=follow)
 
-    async def _read(self, path: str, offset: int, *, follow: bool) -> AsyncIterator[bytes]:
+    async def _read(
+        self, path: str, offset: int, *, follow: bool, nofollow: bool = False
+    ) -> AsyncIterator[bytes]:
         conn = self._conn
-        request = {"op": "file.read", "path": path, "offset": offset, "follow": follow}
+        request = {
+            "op": "file.read",
+            "path": path,
+            "offset": offset,
+            "follow": follow,
+            "nofollow": nofollow,
+        }
         st = await conn.open(request)
         finished = False
         try:
@@ -772,7 +828,12 @@ class AgentChannel:
                 await conn.cancel(st)
 
     async def write_file(
-        self, path: str, data: bytes | AsyncIterable[bytes], *, mode: int | None = None
+        self,
+        path: str,
+        data: bytes | AsyncIterable[bytes],
+        *,
+        mode: int | None = None,
+        nofollow: bool = False,
     ) -> FileInfo:
         """Create or replace a file (parents are made); atomic for readers inside.
 
@@ -782,7 +843,11 @@ class AgentChannel:
         bits and a new one gets ``0666 & ~umask``. A symlink at ``path`` is replaced, not
         followed.
         """
-        request: dict[str, object] = {"op": "file.write", "path": _abs_path(path)}
+        request: dict[str, object] = {
+            "op": "file.write",
+            "path": _abs_path(path),
+            "nofollow": nofollow,
+        }
         if mode is not None:
             request["mode"] = mode
         conn = self._conn
@@ -802,10 +867,10 @@ class AgentChannel:
             await conn.cancel(st)
             raise
 
-    async def list_files(self, path: str) -> list[FileInfo]:
+    async def list_files(self, path: str, *, nofollow: bool = False) -> list[FileInfo]:
         """A directory's entries, sorted by name; symlinks are not followed."""
         conn = self._conn
-        st = await conn.open({"op": "file.list", "path": _abs_path(path)})
+        st = await conn.open({"op": "file.list", "path": _abs_path(path), "nofollow": nofollow})
         entries: list[FileInfo] = []
         try:
             while True:
@@ -830,10 +895,17 @@ class AgentChannel:
         """Make a directory and its parents (no error if it exists; ``Conflict`` if a file does)."""
         await self._call({"op": "file.mkdir", "path": _abs_path(path)})
 
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
+    async def remove(self, path: str, *, recursive: bool = False, nofollow: bool = False) -> None:
         """Remove a file, or a directory tree with ``recursive`` (``Conflict`` for a non-empty
         directory without it). Symlinks are removed, never followed."""
-        await self._call({"op": "file.remove", "path": _abs_path(path), "recursive": recursive})
+        await self._call(
+            {
+                "op": "file.remove",
+                "path": _abs_path(path),
+                "recursive": recursive,
+                "nofollow": nofollow,
+            }
+        )
 
     async def chmod(self, path: str, mode: int) -> None:
         """Change permission bits."""

@@ -115,19 +115,28 @@ class ForwardingChannel:
             argv, rows=rows, cols=cols, cwd=self.start_cwd(cwd), env=self.start_env(env)
         )
 
-    def read_file(self, path: str) -> AsyncIterator[bytes]:
+    async def resolve(self, path: str, *, follow_last: bool = True) -> str:
+        """A path with its symlinks resolved inside the sandbox."""
+        return await self._inner.resolve(path, follow_last=follow_last)
+
+    def read_file(self, path: str, *, nofollow: bool = False) -> AsyncIterator[bytes]:
         """A file's bytes, resolved inside the sandbox."""
-        return self._inner.read_file(path)
+        return self._inner.read_file(path, nofollow=nofollow)
 
     async def write_file(
-        self, path: str, data: bytes | AsyncIterable[bytes], *, mode: int | None = None
+        self,
+        path: str,
+        data: bytes | AsyncIterable[bytes],
+        *,
+        mode: int | None = None,
+        nofollow: bool = False,
     ) -> FileInfo:
         """Create or replace a file inside the sandbox."""
-        return await self._inner.write_file(path, data, mode=mode)
+        return await self._inner.write_file(path, data, mode=mode, nofollow=nofollow)
 
-    async def list_files(self, path: str) -> list[FileInfo]:
+    async def list_files(self, path: str, *, nofollow: bool = False) -> list[FileInfo]:
         """A directory's entries."""
-        return await self._inner.list_files(path)
+        return await self._inner.list_files(path, nofollow=nofollow)
 
     async def stat(self, path: str) -> FileInfo:
         """One entry."""
@@ -137,9 +146,9 @@ class ForwardingChannel:
         """Make a directory and its parents."""
         await self._inner.mkdir(path)
 
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
+    async def remove(self, path: str, *, recursive: bool = False, nofollow: bool = False) -> None:
         """Remove a file or a tree."""
-        await self._inner.remove(path, recursive=recursive)
+        await self._inner.remove(path, recursive=recursive, nofollow=nofollow)
 
     async def chmod(self, path: str, mode: int) -> None:
         """Change permission bits."""

@@ -21,6 +21,7 @@ import engines, the store, backends or front ends.
 from __future__ import annotations
 
 import posixpath
+import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,50 @@ SHELLS: Final = frozenset(
         "fish",
     }
 )
+INTERPRETERS: Final = frozenset(
+    {
+        "python",
+        "python2",
+        "python3",
+        "pypy",
+        "pypy3",
+        "ipython",
+        "ipython3",
+        "perl",
+        "ruby",
+        "irb",
+        "node",
+        "nodejs",
+        "deno",
+        "bun",
+        "php",
+        "lua",
+        "luajit",
+        "tclsh",
+        "wish",
+        "Rscript",
+        "osh",
+        "elvish",
+        "nu",
+        "pwsh",
+        "expect",
+    }
+)
+"""Programs that run code from a script file, a module, stdin or their terminal: code that is
+not in the request (``python3.12`` and the like count too)."""
+_INTERPRETER_VERSIONED: Final = re.compile(r"(python|pypy|lua|perl|ruby|php)[0-9][0-9.]*")
+_INLINE_CODE_FLAGS: Final[Mapping[str, frozenset[str]]] = {
+    "python": frozenset({"-c"}),
+    "pypy": frozenset({"-c"}),
+    "perl": frozenset({"-e", "-E"}),
+    "ruby": frozenset({"-e"}),
+    "node": frozenset({"-e", "-p", "--eval", "--print"}),
+    "nodejs": frozenset({"-e", "-p", "--eval", "--print"}),
+    "php": frozenset({"-r"}),
+}
+"""Options that give an interpreter its whole program on the command line: that code is in the
+request (``raw``), where a policy can read it, so it is not undecidable in the sense above."""
+_INFO_ONLY_ARGS: Final = frozenset({"--version", "-V", "--help", "-h"})
 _STREAM_DEVICES: Final = frozenset(
     {
         "/dev/null",
@@ -228,6 +273,29 @@ class _State:
                 cmd.glob_dirs.add(_glob_dir(p))
             if write and not _is_stream(p):
                 cmd.writes.add(p)
+
+
+def _is_interpreter(program: str) -> bool:
+    return program in INTERPRETERS or _INTERPRETER_VERSIONED.fullmatch(program) is not None
+
+
+def _code_not_in_request(program: str, args: Sequence[_Arg]) -> bool:
+    """Whether an interpreter runs code from a file, a module, stdin or a terminal.
+
+    Only an exact inline-code option (``python3 -c CODE``, ``perl -e CODE``, ``node -e CODE``)
+    before any operand, or a lone ``--version``/``--help``, says otherwise; anything this does
+    not understand (an attached ``-cCODE``, an option taking a value) counts as code unseen.
+    """
+    if args and all(a.text in _INFO_ONLY_ARGS for a in args):
+        return False
+    family = _INTERPRETER_VERSIONED.sub(r"\1", program)
+    inline = _INLINE_CODE_FLAGS.get(family, frozenset())
+    for a in args:
+        if a.text in inline:
+            return False
+        if not a.text.startswith("-") or a.text in ("-", "--", "-m", "-i"):
+            return True  # a script file, stdin ("-"), a module's file, or interactive after
+    return True
 
 
 def _pathlike(text: str) -> bool:
@@ -436,6 +504,23 @@ def _unwrap_su(args: list[_Arg]) -> _Unwrapped | None:
     return _Unwrapped([], stdin_shell=True)
 
 
+def _unwrap_script(args: list[_Arg]) -> _Unwrapped | None:
+    # util-linux script runs `$SHELL -c CMD`, or without -c an interactive $SHELL fed from
+    # its terminal or stdin.
+    opts, _ = _scan(
+        args,
+        "cEIOBTm",
+        frozenset(
+            {"command", "echo", "log-in", "log-out", "log-io", "log-timing", "logging-format"}
+        ),
+        short_optional="t",
+    )
+    command = _opt(opts, "c", "command")
+    if command is not None:
+        return _Unwrapped([], shell_source=command)
+    return _Unwrapped([], stdin_shell=True)
+
+
 _WRAPPERS: Final[Mapping[str, Callable[[list[_Arg]], _Unwrapped | None]]] = {
     "env": _unwrap_env,
     "sudo": _unwrap_sudo,
@@ -452,6 +537,7 @@ _WRAPPERS: Final[Mapping[str, Callable[[list[_Arg]], _Unwrapped | None]]] = {
     "time": _unwrap_time,
     "xargs": _unwrap_xargs,
     "su": _unwrap_su,
+    "script": _unwrap_script,
 }
 
 
@@ -709,6 +795,9 @@ def _shell_command(
     cmd = _Cmd(program=program, argv0=program, via=via, env=env)
     cmd.args = [a.text for a in args]
     if rest and not stdin_mode:
+        # The script's contents are not on the command line: `sh x.sh` runs what the gate
+        # never sees, as `sh < x.sh` does.
+        st.features.add("script_file")
         cmd.operands = [a.text for a in rest]
         st.add_paths(cmd, rest[0], cwds, write=False)
         st.commands.append(cmd)
@@ -838,6 +927,8 @@ def _run(
     if program == "dd":
         _dd_command(rest, cmd, st, cwds)
         return cmd, None
+    if _is_interpreter(program) and _code_not_in_request(program, rest):
+        st.features.add("interpreter")
     spec = spec_for(program)
     if spec is not None:
         _table_command(spec, rest, cmd, st, cwds)
@@ -1119,6 +1210,12 @@ def normalize_operation(
             env=env,
             home=home if isinstance(home, str) else None,
         )
+        if action == "pty.open":
+            # What is typed into a terminal never reaches the gate, whatever program reads it.
+            features = context["shell_features"]
+            assert isinstance(features, list)
+            context["shell_features"] = _jl(sorted({*map(str, features), "terminal"}))
+            context["shell_undecidable"] = True
     elif kind is ContextKind.PATH:
         context = _path_context(args, mode=False)
     elif kind is ContextKind.CHMOD:

@@ -19,7 +19,11 @@ class AgentProcess:
     """An agent started as a plain host subprocess (no isolation needed for these tests)."""
 
     def __init__(
-        self, sock: Path, python: str = sys.executable, extra: tuple[str, ...] = ()
+        self,
+        sock: Path,
+        python: str = sys.executable,
+        extra: tuple[str, ...] = (),
+        script: Path = AGENT_PATH,
     ) -> None:
         self.sock = sock
         self.log = sock.with_suffix(".log")
@@ -27,7 +31,7 @@ class AgentProcess:
         # Its own session, so that a test killing "everything the agent started" can never
         # reach pytest itself.
         self.proc = subprocess.Popen(
-            [python, "-I", "-S", str(AGENT_PATH), "--listen", str(sock), *extra],
+            [python, "-I", "-S", str(script), "--listen", str(sock), *extra],
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
