@@ -465,6 +465,13 @@ class Manager:
                         reason=e.reason_code,
                     )
                 raise
+            except BaseException:
+                if intent is not None:
+                    # No decision (an error, a cancelled caller): a repeat waiting for this
+                    # call's claim may go to the gate itself at once.
+                    with anyio.CancelScope(shield=True), contextlib.suppress(SandboxError):
+                        await self._jr(self._journal().release_claim, intent.intent_id)
+                raise
         keeper = None
         if intent is not None:
             decision = auth.receipt.entry_hash if auth else f"ungated:{intent.intent_id}"
@@ -572,10 +579,31 @@ class Manager:
             idempotency_key=key,
         )
         intent = begun.intent
-        if not begun.replay or intent.state is IntentState.PREPARED:
+        if not begun.replay:
             return intent
-        if intent.state in LEASED_STATES and owner_alive(intent.lease_owner or ""):
-            intent = await self._jr(journal.wait, intent.intent_id, timeout=self.transition_timeout)
+        deadline = anyio.current_time() + self.transition_timeout
+        while intent.state is IntentState.PREPARED or (
+            intent.state in LEASED_STATES and owner_alive(intent.lease_owner or "")
+        ):
+            if intent.state is IntentState.PREPARED:
+                # Its first call is at the gate (it holds the claim) or went away (the claim
+                # is free or its holder died): one repeat takes it over, the others wait.
+                holder = intent.lease_owner
+                dead = holder if holder and not owner_alive(holder) else None
+                if await self._jr(journal.claim, intent.intent_id, dead_owner=dead):
+                    return intent
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                break
+            intent = await journal.wait(intent.intent_id, timeout=left)
+            if intent.state in LEASED_STATES:
+                break  # its lease expired (or the wait timed out): settle it below
+        if intent.state is IntentState.PREPARED:
+            msg = (
+                f"another call with idempotency key {key!r} is still being decided after "
+                f"{self.transition_timeout:g}s; repeat the call to get its outcome"
+            )
+            raise Conflict(msg, intent_id=intent.intent_id)
         if intent.state in LEASED_STATES:
             await self._recover_intent(intent)
             intent = await self._jr(journal.get, intent.intent_id)

@@ -483,7 +483,7 @@ def test_needs_reconcile_fences_out_the_worker_and_waits_for_an_operator(
         journal.resolve(lease.intent_id, outcome="FAILED", note="twice")
 
 
-def test_wait_returns_when_the_worker_finishes(engine: Engine) -> None:
+async def test_wait_returns_when_the_worker_finishes(engine: Engine) -> None:
     worker = Journal(engine, owner="w")
     lease = worker.advance(_authorized(worker, key="k"), S.RUNNING)
 
@@ -494,7 +494,7 @@ def test_wait_returns_when_the_worker_finishes(engine: Engine) -> None:
     t = threading.Thread(target=finish)
     t.start()
     start = time.monotonic()
-    intent = Journal(engine, owner="replayer").wait(lease.intent_id, timeout=10)
+    intent = await Journal(engine, owner="replayer").wait(lease.intent_id, timeout=10)
     t.join()
     assert intent.state is S.RESULT_RECORDED
     assert intent.result == {"exit_code": 0}
