@@ -23,6 +23,31 @@ def _http(server: ServerThread, key: str) -> httpx.AsyncClient:
     )
 
 
+async def test_replayed_create_at_quota_returns_the_same_sandbox(tmp_path: Path) -> None:
+    config = ServerConfig(
+        quota=Quota(max_live_sandboxes=1), admission_timeout=0.5, sweep_interval=None
+    )
+    with ServerThread(tmp_path, backends={"fake": FakeBackend()}, config=config) as server:
+        async with _http(server, server.new_key("small")) as http:
+            body = {"spec": {"labels": {"job": "replay"}}}
+            first = await http.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "c1"})
+            assert first.status_code == 201, first.text
+            # The tenant is now at its quota of one; the repeat creates nothing and must get
+            # the sandbox the first call made.
+            again = await http.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "c1"})
+            assert again.status_code == 201, again.text
+            assert again.json()["id"] == first.json()["id"]
+            # A new key is a new sandbox, which the quota still refuses.
+            other = await http.post("/v1/sandboxes", json=body, headers={"Idempotency-Key": "c2"})
+            assert other.status_code == 429, other.text
+            # The same key with another request is a conflict, not a quota refusal.
+            changed = {"spec": {"labels": {"job": "other"}}}
+            clash = await http.post(
+                "/v1/sandboxes", json=changed, headers={"Idempotency-Key": "c1"}
+            )
+            assert clash.status_code == 409, clash.text
+
+
 async def test_concurrent_replays_of_a_running_exec_all_get_its_result(tmp_path: Path) -> None:
     runs: list[str] = []
 
