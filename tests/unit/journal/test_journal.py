@@ -501,6 +501,28 @@ async def test_wait_returns_when_the_worker_finishes(engine: Engine) -> None:
     assert time.monotonic() - start < 5
 
 
+async def test_a_repeat_waits_for_the_caller_at_the_gate_then_takes_over(engine: Engine) -> None:
+    first = Journal(engine, owner="first")
+    repeat = Journal(engine, owner="repeat")
+    intent_id, _ = _begin(first, {"n": 1}, "k")
+    # The caller that began it is deciding: a repeat may not take it, and waits.
+    assert not repeat.claim(intent_id)
+    assert repeat.taken("t", "k")
+    start = time.monotonic()
+    waited = await repeat.wait(intent_id, timeout=0.3)
+    assert waited.state is S.PREPARED
+    assert time.monotonic() - start >= 0.3
+    # Its gate failed without a decision: the first repeat to ask takes it, only one.
+    first.release_claim(intent_id)
+    assert not repeat.taken("t", "k")
+    assert (await repeat.wait(intent_id, timeout=10)).state is S.PREPARED
+    assert repeat.claim(intent_id)
+    assert not first.claim(intent_id)
+    # A holder proved dead loses its claim at once.
+    assert first.claim(intent_id, dead_owner="repeat")
+    assert not first.taken("t", "other-key")
+
+
 def test_free_text_with_nul_is_stored(journal: Journal) -> None:
     failed = journal.fail(_authorized(journal), error="bad\x00byte")
     assert journal.get(failed.intent_id).error == "bad\ufffdbyte"
