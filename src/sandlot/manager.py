@@ -605,8 +605,20 @@ class Manager:
             )
             raise Conflict(msg, intent_id=intent.intent_id)
         if intent.state in LEASED_STATES:
-            await self._recover_intent(intent)
+            try:
+                await self._recover_intent(intent)
+            except InvalidState:
+                pass  # it came to rest after we looked: its outcome is recorded
+            except Conflict:
+                msg = (
+                    f"the first call with idempotency key {key!r} is still running after "
+                    f"{self.transition_timeout:g}s; repeat the call to get its outcome"
+                )
+                raise Conflict(msg, intent_id=intent.intent_id) from None
             intent = await self._jr(journal.get, intent.intent_id)
+            if intent.state in LEASED_STATES:
+                msg = f"the first call with idempotency key {key!r} is still running"
+                raise Conflict(msg, intent_id=intent.intent_id)
         return _Replay(_replayed(intent))
 
     async def recover(self) -> dict[str, str]:
@@ -644,7 +656,9 @@ class Manager:
             if intent.lease_owner and not owner_alive(intent.lease_owner)
             else None
         )
-        lease = await self._jr(journal.take_over, intent.intent_id, dead_owner=dead)
+        lease = await self._jr(
+            journal.take_over, intent.intent_id, dead_owner=dead, leased_only=True
+        )
         if intent.op == "destroy":
             # A crash before the sandbox was attached to the intent leaves it in the request.
             target = intent.sandbox_id or intent.request.get("sandbox_id")

@@ -1200,22 +1200,27 @@ class Journal:
         with self._read() as (conn, params):
             return [_intent(r) for r in conn.execute(stmt, params).mappings()]
 
-    def take_over(self, intent_id: str, *, dead_owner: str | None = None) -> Lease:
+    def take_over(
+        self, intent_id: str, *, dead_owner: str | None = None, leased_only: bool = False
+    ) -> Lease:
         """Take the intent's lease with a new fence, if its holder's lease expired (or its
         holder is ``dead_owner``, a process the caller proved gone with :func:`owner_alive`:
         after a crash on this host there is no need to wait the lease out).
 
         The old holder is fenced out: its next transition raises :class:`StaleLease`. A
-        RESULT_RECORDED intent (no lease) can be taken to clean up its allocation.
+        RESULT_RECORDED intent (no lease) can be taken to clean up its allocation, unless
+        ``leased_only``: recovery of a worker's unfinished work must not take an intent whose
+        worker finished after recovery looked.
 
         Raises:
             NotFound: No such intent.
             Conflict: The lease is still held (not expired).
-            InvalidState: The intent is PREPARED (authorize it) or final.
+            InvalidState: The intent is PREPARED (authorize it) or final (or, with
+                ``leased_only``, RESULT_RECORDED).
         """
         with self._write() as (conn, clock):
             current = self._load(conn, intent_id, lock=True)
-            if current.state not in _TAKEABLE:
+            if current.state not in (LEASED_STATES if leased_only else _TAKEABLE):
                 msg = f"intent {intent_id} is {current.state}: there is no lease to take over"
                 raise InvalidState(msg, intent_id=intent_id, state=current.state.value)
             now = self._q.now

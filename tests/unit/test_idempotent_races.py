@@ -1,0 +1,60 @@
+"""Repeats of a keyed call racing with the first call's own end."""
+
+from __future__ import annotations
+
+import time
+
+from sandlot.journal import IntentState, Journal
+from sandlot.sdk import AsyncSandlot
+from sandlot.testing import FakeBackend
+
+
+class _FinishesFirst:
+    """The Manager's journal, where the first call's worker records its result just before a
+    repeat takes the intent over: the race is a few microseconds wide in real life, so this
+    shim puts the worker's write exactly there."""
+
+    def __init__(self, journal: Journal, finish: object) -> None:
+        self._journal = journal
+        self._finish = finish
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._journal, name)
+
+    def take_over(self, *args: object, **kwargs: object) -> object:
+        self._finish()  # type: ignore[operator]
+        return self._journal.take_over(*args, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_repeat_gets_the_result_recorded_as_it_takes_over(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    sb = await aclient.create()
+    manager = aclient.manager
+    assert manager.journal is not None
+    # A worker on another host (so never provably dead) whose lease ran out mid-exec.
+    worker = Journal(manager.journal.engine, owner="elsewhere:1:1", lease_seconds=0.2)
+    request = {
+        "sandbox_id": sb.id,
+        "command": ["deploy"],
+        "cwd": "/workspace",
+        "env": {},
+        "timeout": None,
+        "stdin": None,
+    }
+    begun = worker.begin(
+        tenant="default", principal="local", op="exec", request=request, idempotency_key="k"
+    )
+    lease = worker.advance(
+        worker.authorize(begun.intent.intent_id, decision="ungated:test"), IntentState.RUNNING
+    )
+    time.sleep(0.3)
+    recorded = {"exit_code": 0, "stdout": "deployed\n", "stderr": "", "duration_ms": 1.0}
+
+    def finish() -> None:
+        worker.record_result(lease, result=recorded, receipt_seq=None)
+
+    manager.journal = _FinishesFirst(manager.journal, finish)  # type: ignore[assignment]
+    result = await sb.exec(["deploy"], idempotency_key="k")
+    assert result.stdout == "deployed\n"
+    assert fake.calls_for(sb.id, "exec") == []
