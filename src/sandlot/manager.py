@@ -66,6 +66,7 @@ from sandlot.journal import (
     owner_alive,
     process_owner,
 )
+from sandlot.journal.wakeups import Wakeups
 from sandlot.models import (
     LOCAL_ACTOR,
     Actor,
@@ -286,6 +287,8 @@ class Manager:
         self._recent: dict[str, tuple[SandboxInfo, float]] = {}
         self._busy: dict[str, int] = {}
         """Operations in flight per sandbox in this process (the idle reaper leaves them be)."""
+        self._wakeups = Wakeups()
+        """Repeats of a keyed call run here, waiting for it to end."""
 
     # -- records ----------------------------------------------------------------------------
 
@@ -434,6 +437,8 @@ class Manager:
             self._busy[busy] -= 1
             if not self._busy[busy]:
                 del self._busy[busy]
+            if intent is not None:
+                self._wakeups.wake(intent.intent_id)
 
     @contextlib.asynccontextmanager
     async def _gated_body(
@@ -595,7 +600,9 @@ class Manager:
             left = deadline - anyio.current_time()
             if left <= 0:
                 break
-            intent = await journal.wait(intent.intent_id, timeout=left)
+            with self._wakeups.waiting(intent.intent_id) as wake:
+                # Woken at once by a call run here; a slow poll sees one run elsewhere.
+                intent = await journal.wait(intent.intent_id, timeout=left, wake=wake, max_poll=1)
             if intent.state in LEASED_STATES:
                 break  # its lease expired (or the wait timed out): settle it below
         if intent.state is IntentState.PREPARED:

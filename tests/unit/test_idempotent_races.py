@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 
+import anyio
+
 from sandlot.journal import IntentState, Journal
+from sandlot.models import ExecResult
 from sandlot.sdk import AsyncSandlot
-from sandlot.testing import FakeBackend
+from sandlot.testing import FakeBackend, FakeExec
 
 
 class _FinishesFirst:
@@ -58,3 +61,32 @@ async def test_a_repeat_gets_the_result_recorded_as_it_takes_over(
     result = await sb.exec(["deploy"], idempotency_key="k")
     assert result.stdout == "deployed\n"
     assert fake.calls_for(sb.id, "exec") == []
+
+
+async def test_a_repeat_in_the_same_process_learns_the_outcome_at_once(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    ended: list[float] = []
+
+    async def slow(req: FakeExec) -> ExecResult:
+        await anyio.sleep(1.5)
+        ended.append(time.monotonic())
+        return ExecResult(exit_code=0, stdout="done\n")
+
+    sb = await aclient.create()
+    fake.exec_handler = slow
+    returned: list[float] = []
+
+    async def call() -> None:
+        result = await sb.exec(["deploy"], idempotency_key="k")
+        returned.append(time.monotonic())
+        assert result.stdout == "done\n"
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call)
+        await anyio.sleep(0.1)
+        tg.start_soon(call)
+    assert len(ended) == 1
+    # The repeat's database polls are a second apart by then; only the wake-up from the
+    # call that ran here makes it this prompt.
+    assert max(returned) - ended[0] < 0.3, [r - ended[0] for r in returned]

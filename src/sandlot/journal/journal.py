@@ -1347,7 +1347,13 @@ class Journal:
             return bool(conn.execute(busy, clock).scalar())
 
     async def wait(
-        self, intent_id: str, *, timeout: float, poll: float = 0.01, max_poll: float = 0.25
+        self,
+        intent_id: str,
+        *,
+        timeout: float,
+        wake: anyio.Event | None = None,
+        poll: float = 0.01,
+        max_poll: float = 0.25,
     ) -> Intent:
         """Wait until nobody is working on the intent: it rests, its worker's lease expired,
         or (PREPARED) its claim was released or expired.
@@ -1356,7 +1362,9 @@ class Journal:
         finished state when the first call ends within ``timeout``, else the state then.
         Asynchronous, and holding no worker thread between polls: any number of repeats may
         wait without starving the threads every other request needs. Polling (from ``poll``
-        up to ``max_poll`` seconds apart) sees an outcome whichever process records it.
+        up to ``max_poll`` seconds apart) sees an outcome whichever process records it;
+        ``wake`` (see :class:`~sandlot.journal.wakeups.Wakeups`) cuts a pause short when this
+        process records it.
         """
         deadline = anyio.current_time() + timeout
         while True:
@@ -1364,7 +1372,12 @@ class Journal:
             left = deadline - anyio.current_time()
             if not working or left <= 0:
                 return await anyio.to_thread.run_sync(self.get, intent_id)
-            await anyio.sleep(min(poll, left))
+            with anyio.move_on_after(min(poll, left)):
+                if wake is None:
+                    await anyio.sleep_forever()
+                else:
+                    await wake.wait()
+                    wake = None  # set for good: later pauses are plain polls
             poll = min(poll * 2, max_poll)
 
     def prune(self, *, before: datetime) -> int:

@@ -4,6 +4,7 @@ recovery of expired leases."""
 
 from __future__ import annotations
 
+import functools
 import secrets
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -521,6 +524,27 @@ async def test_a_repeat_waits_for_the_caller_at_the_gate_then_takes_over(engine:
     # A holder proved dead loses its claim at once.
     assert first.claim(intent_id, dead_owner="repeat")
     assert not first.taken("t", "other-key")
+
+
+async def test_a_wake_ends_a_slow_poll_at_once(engine: Engine) -> None:
+    worker = Journal(engine, owner="w")
+    lease = worker.advance(_authorized(worker, key="k"), S.RUNNING)
+    wake = anyio.Event()
+
+    async def finish() -> None:
+        await anyio.sleep(0.2)
+        await anyio.to_thread.run_sync(
+            functools.partial(worker.record_result, lease, result={"ok": 1}, receipt_seq=None)
+        )
+        wake.set()
+
+    start = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(finish)
+        # Polls 30 s apart: only the wake can end this wait in time.
+        intent = await worker.wait(lease.intent_id, timeout=60, wake=wake, poll=30, max_poll=30)
+    assert intent.state is S.RESULT_RECORDED
+    assert time.monotonic() - start < 5
 
 
 def test_free_text_with_nul_is_stored(journal: Journal) -> None:
