@@ -582,6 +582,7 @@ class Manager:
             op=op,
             request=dict(request),
             idempotency_key=key,
+            claim_seconds=self._claim_seconds(),
         )
         intent = begun.intent
         if not begun.replay:
@@ -595,7 +596,12 @@ class Manager:
                 # is free or its holder died): one repeat takes it over, the others wait.
                 holder = intent.lease_owner
                 dead = holder if holder and not owner_alive(holder) else None
-                if await self._jr(journal.claim, intent.intent_id, dead_owner=dead):
+                if await self._jr(
+                    journal.claim,
+                    intent.intent_id,
+                    dead_owner=dead,
+                    claim_seconds=self._claim_seconds(),
+                ):
                     return intent
             left = deadline - anyio.current_time()
             if left <= 0:
@@ -627,6 +633,13 @@ class Manager:
                 msg = f"the first call with idempotency key {key!r} is still running"
                 raise Conflict(msg, intent_id=intent.intent_id)
         return _Replay(_replayed(intent))
+
+    def _claim_seconds(self) -> float:
+        """How long a caller at the gate holds its key's intent: through a HOLD's wait for an
+        approval, so that a repeat does not ask for a second approval meanwhile (a claim is
+        released as soon as the gate answers; only a crash on another host waits it out)."""
+        lease = self._journal().lease_seconds
+        return lease if self.gate is None else max(lease, self.gate.hold_timeout + lease)
 
     async def recover(self) -> dict[str, str]:
         """Settle intents whose worker died (a crash, a ``kill -9``): run at start-up.

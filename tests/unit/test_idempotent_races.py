@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import anyio
 
-from sandlot.journal import IntentState, Journal
-from sandlot.models import ExecResult
+from sandlot.journal import IntentState, Journal, process_owner
+from sandlot.models import Actor, ExecResult
 from sandlot.sdk import AsyncSandlot
 from sandlot.testing import FakeBackend, FakeExec
 
@@ -90,3 +91,40 @@ async def test_a_repeat_in_the_same_process_learns_the_outcome_at_once(
     # The repeat's database polls are a second apart by then; only the wake-up from the
     # call that ran here makes it this prompt.
     assert max(returned) - ended[0] < 0.3, [r - ended[0] for r in returned]
+
+
+HOLD = Path(__file__).parents[2] / "docs" / "policies" / "hold-undecidable.cedar"
+
+
+async def test_a_repeat_of_a_held_call_waits_for_its_approval(
+    home: Path, fake: FakeBackend
+) -> None:
+    async with AsyncSandlot(
+        home, backends={"fake": fake}, policy=["default", HOLD], hold_timeout=30
+    ) as sdk:
+        journal = sdk.manager.journal
+        assert journal is not None
+        # Leases run out in half a second: a claim that lasted only a lease would be gone
+        # long before anyone answers the HOLD.
+        sdk.manager.journal = Journal(journal.engine, owner=process_owner(), lease_seconds=0.5)
+        sb = await sdk.create()
+        results: list[ExecResult] = []
+
+        async def call() -> None:
+            results.append(await sb.exec("echo $HOME", idempotency_key="k"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            with anyio.fail_after(10):
+                while not await sdk.list_approvals():
+                    await anyio.sleep(0.05)
+            await anyio.sleep(1)
+            tg.start_soon(call)
+            await anyio.sleep(1)
+            pending = await sdk.list_approvals()
+            assert len(pending) == 1, "the repeat asked for an approval of its own"
+            reviewer = Actor(tenant="default", principal="reviewer")
+            await sdk.manager.approve(pending[0].id, actor=reviewer)
+    assert len(results) == 2
+    assert results[0] == results[1]
+    assert len(fake.calls_for(sb.id, "exec")) == 1

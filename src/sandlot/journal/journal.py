@@ -562,6 +562,7 @@ class Journal:
         op: str,
         request: Mapping[str, JsonValue],
         idempotency_key: str | None,
+        claim_seconds: float | None = None,
     ) -> Begun:
         """Record the intent to do ``op``, or find the one an earlier call with the key made.
 
@@ -577,8 +578,9 @@ class Journal:
             request: The normalized request, as JSON.
             idempotency_key: The caller's key, or None for a one-off intent.
 
-        A new intent is *claimed* by this journal's owner for ``lease_seconds``: its caller is
-        at the gate with it. A repeat that finds it PREPARED waits while the claim holds, and
+        A new intent is *claimed* by this journal's owner for ``claim_seconds`` (default
+        ``lease_seconds``; longer than the gate may take, a HOLD included): its caller is at
+        the gate with it. A repeat that finds it PREPARED waits while the claim holds, and
         takes it over (:meth:`claim`) once it is released or expired.
 
         Returns:
@@ -605,7 +607,7 @@ class Journal:
             "v_key": idempotency_key,
             "v_request_json": canonical_json(body["request"]).decode(),
             "v_owner": self.owner,
-            "v_lease": self.lease_seconds,
+            "v_lease": claim_seconds or self.lease_seconds,
         }
         with self._write() as (conn, clock):
             # RETURNING, not rowcount: with DO NOTHING the row count is not reliable across
@@ -633,7 +635,9 @@ class Journal:
                 raise Conflict(msg, idempotency_key=idempotency_key, intent_id=existing.intent_id)
             return Begun(intent=self._load(conn, intent_id), replay=True)
 
-    def claim(self, intent_id: str, *, dead_owner: str | None = None) -> bool:
+    def claim(
+        self, intent_id: str, *, dead_owner: str | None = None, claim_seconds: float | None = None
+    ) -> bool:
         """Claim a PREPARED intent whose claim is free: released, expired, or held by
         ``dead_owner`` (a process the caller proved gone with :func:`owner_alive`).
 
@@ -654,7 +658,7 @@ class Journal:
                 )
                 .values(
                     lease_owner=self.owner,
-                    lease_expires_at=now + self.lease_seconds,
+                    lease_expires_at=now + (claim_seconds or self.lease_seconds),
                     updated_at=now,
                 )
                 .returning(intents.c.intent_id),
