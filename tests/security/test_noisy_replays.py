@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from tests.security.noisy import NoisyServer, Victim, assert_unharmed, attack
+
+pytestmark = pytest.mark.slow  # a real server, and the attack's exec runs 40 s
 
 
 def test_concurrent_replays_of_a_long_exec_leave_the_victim_alone(tmp_path: Path) -> None:
