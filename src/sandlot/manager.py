@@ -66,6 +66,7 @@ from sandlot.journal import (
     owner_alive,
     process_owner,
 )
+from sandlot.journal.wakeups import Wakeups
 from sandlot.models import (
     LOCAL_ACTOR,
     Actor,
@@ -287,6 +288,8 @@ class Manager:
         self._recent: dict[str, tuple[SandboxInfo, float]] = {}
         self._busy: dict[str, int] = {}
         """Operations in flight per sandbox in this process (the idle reaper leaves them be)."""
+        self._wakeups = Wakeups()
+        """Repeats of a keyed call run here, waiting for it to end."""
 
     # -- records ----------------------------------------------------------------------------
 
@@ -435,6 +438,8 @@ class Manager:
             self._busy[busy] -= 1
             if not self._busy[busy]:
                 del self._busy[busy]
+            if intent is not None:
+                self._wakeups.wake(intent.intent_id)
 
     @contextlib.asynccontextmanager
     async def _gated_body(
@@ -465,6 +470,13 @@ class Manager:
                         decision=e.receipt_id or "none",
                         reason=e.reason_code,
                     )
+                raise
+            except BaseException:
+                if intent is not None:
+                    # No decision (an error, a cancelled caller): a repeat waiting for this
+                    # call's claim may go to the gate itself at once.
+                    with anyio.CancelScope(shield=True), contextlib.suppress(SandboxError):
+                        await self._jr(self._journal().release_claim, intent.intent_id)
                 raise
         keeper = None
         if intent is not None:
@@ -571,16 +583,64 @@ class Manager:
             op=op,
             request=dict(request),
             idempotency_key=key,
+            claim_seconds=self._claim_seconds(),
         )
         intent = begun.intent
-        if not begun.replay or intent.state is IntentState.PREPARED:
+        if not begun.replay:
             return intent
-        if intent.state in LEASED_STATES and owner_alive(intent.lease_owner or ""):
-            intent = await self._jr(journal.wait, intent.intent_id, timeout=self.transition_timeout)
+        deadline = anyio.current_time() + self.transition_timeout
+        while intent.state is IntentState.PREPARED or (
+            intent.state in LEASED_STATES and owner_alive(intent.lease_owner or "")
+        ):
+            if intent.state is IntentState.PREPARED:
+                # Its first call is at the gate (it holds the claim) or went away (the claim
+                # is free or its holder died): one repeat takes it over, the others wait.
+                holder = intent.lease_owner
+                dead = holder if holder and not owner_alive(holder) else None
+                if await self._jr(
+                    journal.claim,
+                    intent.intent_id,
+                    dead_owner=dead,
+                    claim_seconds=self._claim_seconds(),
+                ):
+                    return intent
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                break
+            with self._wakeups.waiting(intent.intent_id) as wake:
+                # Woken at once by a call run here; a slow poll sees one run elsewhere.
+                intent = await journal.wait(intent.intent_id, timeout=left, wake=wake, max_poll=1)
+            if intent.state in LEASED_STATES:
+                break  # its lease expired (or the wait timed out): settle it below
+        if intent.state is IntentState.PREPARED:
+            msg = (
+                f"another call with idempotency key {key!r} is still being decided after "
+                f"{self.transition_timeout:g}s; repeat the call to get its outcome"
+            )
+            raise Conflict(msg, intent_id=intent.intent_id)
         if intent.state in LEASED_STATES:
-            await self._recover_intent(intent)
+            try:
+                await self._recover_intent(intent)
+            except InvalidState:
+                pass  # it came to rest after we looked: its outcome is recorded
+            except Conflict:
+                msg = (
+                    f"the first call with idempotency key {key!r} is still running after "
+                    f"{self.transition_timeout:g}s; repeat the call to get its outcome"
+                )
+                raise Conflict(msg, intent_id=intent.intent_id) from None
             intent = await self._jr(journal.get, intent.intent_id)
+            if intent.state in LEASED_STATES:
+                msg = f"the first call with idempotency key {key!r} is still running"
+                raise Conflict(msg, intent_id=intent.intent_id)
         return _Replay(_replayed(intent))
+
+    def _claim_seconds(self) -> float:
+        """How long a caller at the gate holds its key's intent: through a HOLD's wait for an
+        approval, so that a repeat does not ask for a second approval meanwhile (a claim is
+        released as soon as the gate answers; only a crash on another host waits it out)."""
+        lease = self._journal().lease_seconds
+        return lease if self.gate is None else max(lease, self.gate.hold_timeout + lease)
 
     async def recover(self) -> dict[str, str]:
         """Settle intents whose worker died (a crash, a ``kill -9``): run at start-up.
@@ -617,7 +677,9 @@ class Manager:
             if intent.lease_owner and not owner_alive(intent.lease_owner)
             else None
         )
-        lease = await self._jr(journal.take_over, intent.intent_id, dead_owner=dead)
+        lease = await self._jr(
+            journal.take_over, intent.intent_id, dead_owner=dead, leased_only=True
+        )
         if intent.op == "destroy":
             # A crash before the sandbox was attached to the intent leaves it in the request.
             target = intent.sandbox_id or intent.request.get("sandbox_id")

@@ -17,6 +17,10 @@ updates, not code paths):
 - **Idempotency.** ``UNIQUE (tenant, idempotency_key)``: the first ``begin`` with a key wins
   the insert; every later one reads the winner back and either replays it (same request) or is
   refused with ``Conflict`` (another request).
+- **One caller at the gate per key.** A PREPARED intent is *claimed* (``lease_owner``,
+  ``lease_expires_at``) by whoever began it; a repeat takes the claim only with
+  ``UPDATE … WHERE state = 'PREPARED' AND the claim is free``, so concurrent repeats wait for
+  the one deciding instead of racing it for the authorization.
 - **One-use authorization.** An authorization is consumed by
   ``UPDATE … WHERE consumed_at IS NULL AND expires_at > now``; exactly one caller sees a row
   changed, and it moves the intent to AUTHORIZED with ``fence + 1`` in the same transaction.
@@ -31,7 +35,8 @@ Lease expiry is measured on the database's clock on PostgreSQL (``now()``), whic
 sharing the database agrees on. On SQLite the client's clock is the database's clock: SQLite is
 embedded, and every process that opens the file (WAL needs shared memory) runs on this host.
 
-The journal is synchronous SQLAlchemy Core (the Manager calls it from a worker thread). Give it
+The journal is synchronous SQLAlchemy Core (the Manager calls it from a worker thread), except
+:meth:`Journal.wait`, which is async so that waiting holds no worker thread. Give it
 an engine from :func:`sandlot.store.sql.open_engine` (on SQLite, writers then take the write
 lock at ``BEGIN``) whose schema is current. This module must not import the Manager, backends,
 the policy gate or front ends.
@@ -50,6 +55,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Final, Literal, NoReturn, final
 
+import anyio
+import anyio.to_thread
 from sqlalchemy import (
     BigInteger,
     Engine,
@@ -124,6 +131,8 @@ S = IntentState
 LEASED_STATES: Final = frozenset({S.AUTHORIZED, S.ALLOCATING, S.ALLOCATED, S.RUNNING, S.CLEANING})
 #: States nothing moves out of on its own. NEEDS_RECONCILE leaves only by :meth:`Journal.resolve`.
 FINAL_STATES: Final = frozenset({S.CLEANED, S.DENIED, S.FAILED, S.NEEDS_RECONCILE})
+# Where someone works on the intent while its lease (for PREPARED: its claim) holds.
+_CLAIMED_STATES: Final = LEASED_STATES | {S.PREPARED}
 # Where a worker may take a lease: mid-work states (after expiry) and a recorded result (whose
 # allocation may later be cleaned up).
 _TAKEABLE: Final = LEASED_STATES | {S.RESULT_RECORDED}
@@ -326,6 +335,10 @@ class _Sql:
             "request_json": p("v_request_json"),
             "state": S.PREPARED.value,
             "fence": 0,
+            # The beginner's claim: it is at the gate with this intent, so a repeat of its key
+            # waits for it instead of deciding (and racing for the authorization) itself.
+            "lease_owner": p("v_owner"),
+            "lease_expires_at": now + p("v_lease", type_=Float),
             "created_at": now,
             "updated_at": now,
         }
@@ -549,6 +562,7 @@ class Journal:
         op: str,
         request: Mapping[str, JsonValue],
         idempotency_key: str | None,
+        claim_seconds: float | None = None,
     ) -> Begun:
         """Record the intent to do ``op``, or find the one an earlier call with the key made.
 
@@ -563,6 +577,11 @@ class Journal:
             op: The operation, e.g. ``"sandbox.create"``.
             request: The normalized request, as JSON.
             idempotency_key: The caller's key, or None for a one-off intent.
+
+        A new intent is *claimed* by this journal's owner for ``claim_seconds`` (default
+        ``lease_seconds``; longer than the gate may take, a HOLD included): its caller is at
+        the gate with it. A repeat that finds it PREPARED waits while the claim holds, and
+        takes it over (:meth:`claim`) once it is released or expired.
 
         Returns:
             The new intent (``replay=False``, state PREPARED), or the existing durable state of
@@ -587,6 +606,8 @@ class Journal:
             "v_op": op,
             "v_key": idempotency_key,
             "v_request_json": canonical_json(body["request"]).decode(),
+            "v_owner": self.owner,
+            "v_lease": claim_seconds or self.lease_seconds,
         }
         with self._write() as (conn, clock):
             # RETURNING, not rowcount: with DO NOTHING the row count is not reliable across
@@ -614,6 +635,73 @@ class Journal:
                 raise Conflict(msg, idempotency_key=idempotency_key, intent_id=existing.intent_id)
             return Begun(intent=self._load(conn, intent_id), replay=True)
 
+    def claim(
+        self, intent_id: str, *, dead_owner: str | None = None, claim_seconds: float | None = None
+    ) -> bool:
+        """Claim a PREPARED intent whose claim is free: released, expired, or held by
+        ``dead_owner`` (a process the caller proved gone with :func:`owner_alive`).
+
+        Exactly one of several concurrent callers gets True; it goes to the gate with the
+        intent, the others wait for it (:meth:`wait`).
+        """
+        now = self._q.now
+        free = [intents.c.lease_expires_at.is_(None), intents.c.lease_expires_at <= now]
+        if dead_owner is not None:
+            free.append(intents.c.lease_owner == dead_owner)
+        with self._write() as (conn, clock):
+            row = conn.execute(
+                update(intents)
+                .where(
+                    intents.c.intent_id == intent_id,
+                    intents.c.state == S.PREPARED.value,
+                    or_(*free),
+                )
+                .values(
+                    lease_owner=self.owner,
+                    lease_expires_at=now + (claim_seconds or self.lease_seconds),
+                    updated_at=now,
+                )
+                .returning(intents.c.intent_id),
+                clock,
+            ).first()
+            return row is not None
+
+    def release_claim(self, intent_id: str) -> None:
+        """Give up this owner's claim on a PREPARED intent (its gate failed without a
+        decision), so that a waiting repeat takes it at once rather than after expiry."""
+        with self._write() as (conn, clock):
+            conn.execute(
+                update(intents)
+                .where(
+                    intents.c.intent_id == intent_id,
+                    intents.c.state == S.PREPARED.value,
+                    intents.c.lease_owner == self.owner,
+                )
+                .values(lease_expires_at=None, updated_at=self._q.now),
+                clock,
+            )
+
+    def taken(self, tenant: str, idempotency_key: str) -> bool:
+        """Whether a call with this key is past its gate, or at it now (claimed), or done.
+
+        A repeat of such a key runs nothing new (it replays or is refused as a conflict), so
+        it needs no quota slot.
+        """
+        stmt = select(
+            select(intents.c.intent_id)
+            .where(
+                intents.c.tenant == tenant,
+                intents.c.idempotency_key == idempotency_key,
+                or_(
+                    intents.c.state != S.PREPARED.value,
+                    intents.c.lease_expires_at > self._q.now,
+                ),
+            )
+            .exists()
+        )
+        with self._read() as (conn, clock):
+            return bool(conn.execute(stmt, clock).scalar())
+
     def deny(self, intent_id: str, *, decision: str, reason: str) -> Intent:
         """Record that the gate denied a PREPARED intent (final: a replay gets the denial).
 
@@ -625,7 +713,12 @@ class Journal:
             res = conn.execute(
                 update(intents)
                 .where(intents.c.intent_id == intent_id, intents.c.state == S.PREPARED.value)
-                .values(state=S.DENIED.value, error=_text(reason), updated_at=self._q.now)
+                .values(
+                    state=S.DENIED.value,
+                    error=_text(reason),
+                    lease_expires_at=None,
+                    updated_at=self._q.now,
+                )
                 .returning(intents.c.fence),
                 clock,
             ).first()
@@ -1111,22 +1204,27 @@ class Journal:
         with self._read() as (conn, params):
             return [_intent(r) for r in conn.execute(stmt, params).mappings()]
 
-    def take_over(self, intent_id: str, *, dead_owner: str | None = None) -> Lease:
+    def take_over(
+        self, intent_id: str, *, dead_owner: str | None = None, leased_only: bool = False
+    ) -> Lease:
         """Take the intent's lease with a new fence, if its holder's lease expired (or its
         holder is ``dead_owner``, a process the caller proved gone with :func:`owner_alive`:
         after a crash on this host there is no need to wait the lease out).
 
         The old holder is fenced out: its next transition raises :class:`StaleLease`. A
-        RESULT_RECORDED intent (no lease) can be taken to clean up its allocation.
+        RESULT_RECORDED intent (no lease) can be taken to clean up its allocation, unless
+        ``leased_only``: recovery of a worker's unfinished work must not take an intent whose
+        worker finished after recovery looked.
 
         Raises:
             NotFound: No such intent.
             Conflict: The lease is still held (not expired).
-            InvalidState: The intent is PREPARED (authorize it) or final.
+            InvalidState: The intent is PREPARED (authorize it) or final (or, with
+                ``leased_only``, RESULT_RECORDED).
         """
         with self._write() as (conn, clock):
             current = self._load(conn, intent_id, lock=True)
-            if current.state not in _TAKEABLE:
+            if current.state not in (LEASED_STATES if leased_only else _TAKEABLE):
                 msg = f"intent {intent_id} is {current.state}: there is no lease to take over"
                 raise InvalidState(msg, intent_id=intent_id, state=current.state.value)
             now = self._q.now
@@ -1239,28 +1337,52 @@ class Journal:
                 for r in conn.execute(stmt)
             ]
 
-    def wait(self, intent_id: str, *, timeout: float, poll: float = 0.05) -> Intent:
-        """Wait until nobody is working on the intent: it rests, or its worker's lease expired.
-
-        For a replay that arrives while the first attempt is still running: it returns the
-        finished state when the first attempt ends within ``timeout``, else the state then.
-        """
-        deadline = time.monotonic() + timeout
+    def _working(self, intent_id: str) -> bool:
         busy = select(
             select(intents.c.intent_id)
             .where(
                 intents.c.intent_id == intent_id,
-                intents.c.state.in_(sorted(s.value for s in LEASED_STATES)),
+                intents.c.state.in_(sorted(s.value for s in _CLAIMED_STATES)),
                 intents.c.lease_expires_at > self._q.now,
             )
             .exists()
         )
+        with self._read() as (conn, clock):
+            return bool(conn.execute(busy, clock).scalar())
+
+    async def wait(
+        self,
+        intent_id: str,
+        *,
+        timeout: float,
+        wake: anyio.Event | None = None,
+        poll: float = 0.01,
+        max_poll: float = 0.25,
+    ) -> Intent:
+        """Wait until nobody is working on the intent: it rests, its worker's lease expired,
+        or (PREPARED) its claim was released or expired.
+
+        For a repeat that arrives while the first call is still running: it returns the
+        finished state when the first call ends within ``timeout``, else the state then.
+        Asynchronous, and holding no worker thread between polls: any number of repeats may
+        wait without starving the threads every other request needs. Polling (from ``poll``
+        up to ``max_poll`` seconds apart) sees an outcome whichever process records it;
+        ``wake`` (see :class:`~sandlot.journal.wakeups.Wakeups`) cuts a pause short when this
+        process records it.
+        """
+        deadline = anyio.current_time() + timeout
         while True:
-            with self._read() as (conn, clock):
-                working = bool(conn.execute(busy, clock).scalar())
-            if not working or time.monotonic() >= deadline:
-                return self.get(intent_id)
-            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+            working = await anyio.to_thread.run_sync(self._working, intent_id)
+            left = deadline - anyio.current_time()
+            if not working or left <= 0:
+                return await anyio.to_thread.run_sync(self.get, intent_id)
+            with anyio.move_on_after(min(poll, left)):
+                if wake is None:
+                    await anyio.sleep_forever()
+                else:
+                    await wake.wait()
+                    wake = None  # set for good: later pauses are plain polls
+            poll = min(poll * 2, max_poll)
 
     def prune(self, *, before: datetime) -> int:
         """Forget ended intents last changed before ``before`` (keys become reusable).

@@ -81,6 +81,7 @@ from sandlot.server.offer import check_offered, offered
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
 from sandlot.server.problems import PayloadTooLarge, Unauthenticated, problem_body
 from sandlot.server.quotas import Admission, Quota, hold_until_exit
+from sandlot.server.replays import admit
 from sandlot.server.wire import (
     DIGEST_HEADER,
     IDEMPOTENCY_HEADER,
@@ -706,7 +707,7 @@ def _routes(app: FastAPI) -> None:
             spec = spec.model_copy(
                 update={"git": spec.git.model_copy(update={"auth": body.git_auth})}
             )
-        release = await plane.sandboxes.acquire(actor.tenant)
+        release = await admit(plane.sandboxes, plane.manager.journal, actor.tenant, key)
         if "text/event-stream" not in request.headers.get("accept", ""):
             try:
                 with anyio.CancelScope(shield=True):
@@ -905,8 +906,11 @@ def _routes(app: FastAPI) -> None:
         started = time.perf_counter()
         outcome = "error"
         try:
-            async with plane.execs.slot(actor.tenant):
+            release = await admit(plane.execs, plane.manager.journal, actor.tenant, key)
+            try:
                 result = await call(None, None)
+            finally:
+                release()
             outcome = "ok"
         finally:
             plane.metrics.exec_seconds.labels(outcome=outcome).observe(
@@ -927,7 +931,7 @@ def _routes(app: FastAPI) -> None:
         # Checked before the stream starts, so a foreign or unknown id is a plain 404.
         await plane.manager.get(sandbox_id, actor=actor)
         call = _exec_call(plane, sandbox_id, body, actor, key)
-        release = await plane.execs.acquire(actor.tenant)
+        release = await admit(plane.execs, plane.manager.journal, actor.tenant, key)
         job_id = new_id("ex")
         await plane.output.open(job_id, tenant=actor.tenant, sandbox_id=sandbox_id)
         stdin_iter: AsyncIterator[bytes] | None = None

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TypeVar, final
 
+import anyio.lowlevel
 import anyio.to_thread
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import insert, inspect, select, update
@@ -85,6 +86,21 @@ class NewApiKey(BaseModel):
     """The secret, to hand to the client (``SANDLOT_API_KEY``)."""
     info: ApiKeyInfo
     """Its record."""
+
+
+# Key lookups have worker threads of their own (per event loop): every request is
+# authenticated first, so if they shared anyio's default pool, work that fills it (slow
+# backend or database calls of one tenant) would leave every other tenant unanswered.
+_KEY_THREADS: anyio.lowlevel.RunVar[anyio.CapacityLimiter] = anyio.lowlevel.RunVar("key_threads")
+
+
+def _key_threads() -> anyio.CapacityLimiter:
+    try:
+        return _KEY_THREADS.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(8)
+        _KEY_THREADS.set(limiter)
+        return limiter
 
 
 def _check_name(value: str, what: str) -> str:
@@ -153,7 +169,7 @@ class ApiKeyStore:
                 msg = f"database error: {e.orig}"
                 raise BackendUnavailable(msg) from e
 
-        return await anyio.to_thread.run_sync(call)
+        return await anyio.to_thread.run_sync(call, limiter=_key_threads())
 
     async def create(
         self,

@@ -4,6 +4,7 @@ recovery of expired leases."""
 
 from __future__ import annotations
 
+import functools
 import secrets
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -483,7 +486,7 @@ def test_needs_reconcile_fences_out_the_worker_and_waits_for_an_operator(
         journal.resolve(lease.intent_id, outcome="FAILED", note="twice")
 
 
-def test_wait_returns_when_the_worker_finishes(engine: Engine) -> None:
+async def test_wait_returns_when_the_worker_finishes(engine: Engine) -> None:
     worker = Journal(engine, owner="w")
     lease = worker.advance(_authorized(worker, key="k"), S.RUNNING)
 
@@ -494,10 +497,53 @@ def test_wait_returns_when_the_worker_finishes(engine: Engine) -> None:
     t = threading.Thread(target=finish)
     t.start()
     start = time.monotonic()
-    intent = Journal(engine, owner="replayer").wait(lease.intent_id, timeout=10)
+    intent = await Journal(engine, owner="replayer").wait(lease.intent_id, timeout=10)
     t.join()
     assert intent.state is S.RESULT_RECORDED
     assert intent.result == {"exit_code": 0}
+    assert time.monotonic() - start < 5
+
+
+async def test_a_repeat_waits_for_the_caller_at_the_gate_then_takes_over(engine: Engine) -> None:
+    first = Journal(engine, owner="first")
+    repeat = Journal(engine, owner="repeat")
+    intent_id, _ = _begin(first, {"n": 1}, "k")
+    # The caller that began it is deciding: a repeat may not take it, and waits.
+    assert not repeat.claim(intent_id)
+    assert repeat.taken("t", "k")
+    start = time.monotonic()
+    waited = await repeat.wait(intent_id, timeout=0.3)
+    assert waited.state is S.PREPARED
+    assert time.monotonic() - start >= 0.3
+    # Its gate failed without a decision: the first repeat to ask takes it, only one.
+    first.release_claim(intent_id)
+    assert not repeat.taken("t", "k")
+    assert (await repeat.wait(intent_id, timeout=10)).state is S.PREPARED
+    assert repeat.claim(intent_id)
+    assert not first.claim(intent_id)
+    # A holder proved dead loses its claim at once.
+    assert first.claim(intent_id, dead_owner="repeat")
+    assert not first.taken("t", "other-key")
+
+
+async def test_a_wake_ends_a_slow_poll_at_once(engine: Engine) -> None:
+    worker = Journal(engine, owner="w")
+    lease = worker.advance(_authorized(worker, key="k"), S.RUNNING)
+    wake = anyio.Event()
+
+    async def finish() -> None:
+        await anyio.sleep(0.2)
+        await anyio.to_thread.run_sync(
+            functools.partial(worker.record_result, lease, result={"ok": 1}, receipt_seq=None)
+        )
+        wake.set()
+
+    start = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(finish)
+        # Polls 30 s apart: only the wake can end this wait in time.
+        intent = await worker.wait(lease.intent_id, timeout=60, wake=wake, poll=30, max_poll=30)
+    assert intent.state is S.RESULT_RECORDED
     assert time.monotonic() - start < 5
 
 
