@@ -80,6 +80,7 @@ from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
 from sandlot.server.problems import PayloadTooLarge, Unauthenticated, problem_body
 from sandlot.server.quotas import Admission, Quota
+from sandlot.server.sessions import KeySessionGuard, KeySessions, note_key
 from sandlot.server.wire import (
     DIGEST_HEADER,
     IDEMPOTENCY_HEADER,
@@ -193,6 +194,7 @@ class _Plane:
         self.config = config
         self.output = output
         self.metrics = ServerMetrics()
+        self.sessions = KeySessions(keys)
         self.sandboxes = Admission(
             "live sandboxes",
             lambda t: config.quota_for(t).max_live_sandboxes,
@@ -242,11 +244,12 @@ async def _actor(
     if credentials is None or not credentials.credentials:
         msg = "this request needs an API key: send `Authorization: Bearer <key>`"
         raise Unauthenticated(msg)
-    actor = await _plane(request).keys.authenticate(credentials.credentials)
-    if actor is None:
+    info = await _plane(request).keys.identify(credentials.credentials)
+    if info is None:
         msg = "the API key is unknown or revoked"
         raise Unauthenticated(msg)
-    return actor
+    note_key(request.scope, info.id)
+    return info.actor
 
 
 _IDEMPOTENCY = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -543,6 +546,7 @@ def create_app(
                 await stack.enter_async_context(mcp_endpoint.running())
             async with anyio.create_task_group() as tg:
                 plane.tasks = tg
+                tg.start_soon(plane.sessions.watch)
                 if cfg.sweep_interval:
                     tg.start_soon(_sweep, manager, cfg.sweep_interval)
                 try:
@@ -567,6 +571,7 @@ def create_app(
     app.state.plane = plane
     app.add_middleware(_BodyLimit, limit=lambda: cfg.max_upload_bytes)
     app.add_middleware(_Metrics, metrics=lambda: plane.metrics)
+    app.add_middleware(KeySessionGuard, sessions=lambda: plane.sessions)
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
@@ -1539,11 +1544,12 @@ async def _ws_actor(plane: _Plane, websocket: WebSocket) -> Actor:
     if scheme.lower() != "bearer" or not key.strip():
         msg = "this request needs an API key: send `Authorization: Bearer <key>`"
         raise Unauthenticated(msg)
-    actor = await plane.keys.authenticate(key.strip())
-    if actor is None:
+    info = await plane.keys.identify(key.strip())
+    if info is None:
         msg = "the API key is unknown or revoked"
         raise Unauthenticated(msg)
-    return actor
+    note_key(websocket.scope, info.id)
+    return info.actor
 
 
 def _pty_params(

@@ -1,0 +1,160 @@
+"""Revoking an API key ends what it opened, on every server sharing the database: its event
+streams and terminals close within a second, and its next request is refused at once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
+
+from sandlot.client import AsyncClient
+from sandlot.server import ServerConfig
+from sandlot.server.keys import ApiKeyStore
+from sandlot.server.testing import ServerThread
+from sandlot.testing import FakeBackend
+
+pytestmark = pytest.mark.needs_postgres
+
+DEADLINE = 1.0
+"""Seconds within which a revoked key's open connections must have ended."""
+
+
+def _server(home: Path, database: str) -> ServerThread:
+    config = ServerConfig(sweep_interval=None, mcp=False)
+    return ServerThread(home, backends={"fake": FakeBackend()}, config=config, database=database)
+
+
+async def _sse_events(lines: AsyncIterator[str]) -> AsyncIterator[tuple[str, str]]:
+    event = "message"
+    async for line in lines:
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            yield event, line[6:]
+            event = "message"
+
+
+async def test_revoking_a_key_ends_its_streams_and_terminals_on_every_server(
+    tmp_path: Path, pg_url: str
+) -> None:
+    with _server(tmp_path / "a", pg_url) as a, _server(tmp_path / "b", pg_url) as b:
+        made = await a.keys.create("tenant-r")
+        other = a.new_key("tenant-r")  # the same tenant's other key keeps working
+        auth = {"Authorization": f"Bearer {made.key}"}
+        async with AsyncClient(b.url, made.key) as client:
+            sb = await client.create()
+            cat = await sb.start_process("cat")
+        ended: dict[str, float] = {}
+        last: dict[str, object] = {}
+        revoked_at: list[float] = []
+
+        async def follow(name: str, response: httpx.Response) -> None:
+            async for event, data in _sse_events(response.aiter_lines()):
+                last[name] = (event, json.loads(data).get("code"))
+            ended[name] = time.monotonic()
+
+        async def terminal(ws: ClientConnection) -> None:
+            frames: list[str | bytes] = []
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    frames.append(await ws.recv())
+            ended["terminal"] = time.monotonic()
+            last["terminal"] = (ws.close_code, json.loads(frames[-1])["problem"]["code"])
+
+        ws_url = b.url.replace("http://", "ws://") + f"/v1/sandboxes/{sb.id}/pty"
+        async with (
+            httpx.AsyncClient(base_url=b.url, headers=auth, timeout=30) as http,
+            http.stream(
+                "POST", f"/v1/sandboxes/{sb.id}/execs", json={"command": "sleep 30"}
+            ) as exec_stream,
+            http.stream(
+                "GET", f"/v1/sandboxes/{sb.id}/processes/{cat.id}/output", params={"follow": True}
+            ) as output_stream,
+            ws_connect(ws_url, additional_headers=auth) as ws,
+            anyio.create_task_group() as tg,
+        ):
+            assert exec_stream.status_code == output_stream.status_code == 200
+            assert json.loads(await ws.recv())["type"] == "opened"
+            await ws.send(b"echo before\r")
+            tg.start_soon(follow, "exec events", exec_stream)
+            tg.start_soon(follow, "process output", output_stream)
+            tg.start_soon(terminal, ws)
+            await anyio.sleep(0.3)
+            assert ended == {}, "nothing may end before the revocation"
+
+            await a.keys.revoke(made.info.id)
+            revoked_at.append(time.monotonic())
+            # New requests are refused at once, on the server that revoked and the other one.
+            for server in (a, b):
+                refused = await http.get(f"{server.url}/v1/sandboxes")
+                assert refused.status_code == 401, (server.url, refused.text)
+                assert refused.json()["code"] == "unauthenticated"
+            with anyio.move_on_after(5):
+                while len(ended) < 3:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+        took = {name: round(at - revoked_at[0], 3) for name, at in ended.items()}
+        print(f"closed after revocation (s): {took}")
+        assert set(took) == {"exec events", "process output", "terminal"}, took
+        assert all(t < DEADLINE for t in took.values()), took
+        # Each says why it ended: an error event, or an error frame and a policy close.
+        assert last["exec events"] == ("error", "unauthenticated")
+        assert last["process output"] == ("error", "unauthenticated")
+        assert last["terminal"] == (1008, "unauthenticated")
+        # The command started with the key was not the key: the tenant's other key sees it.
+        async with AsyncClient(b.url, other) as client:
+            assert (await client.get(sb.id)).info.status.value == "running"
+
+
+async def test_a_revocation_by_another_process_is_seen_at_once(pg_url: str) -> None:
+    """Two servers' key stores on one database: one revokes, the other refuses the next use."""
+    here, there = ApiKeyStore(pg_url), ApiKeyStore(pg_url)
+    try:
+        made = await here.create("tenant-x")
+        assert await there.authenticate(made.key) is not None
+        assert await here.authenticate(made.key) is not None
+        await here.revoke(made.info.id)
+        assert await there.authenticate(made.key) is None
+        assert await here.authenticate(made.key) is None
+    finally:
+        await here.aclose()
+        await there.aclose()
+
+
+def test_cli_revoke_refuses_the_key_on_a_running_server(tmp_path: Path, pg_url: str) -> None:
+    with _server(tmp_path / "a", pg_url) as a:
+        made = anyio.run(a.keys.create, "tenant-c")
+        auth = {"Authorization": f"Bearer {made.key}"}
+        assert httpx.get(f"{a.url}/v1/sandboxes", headers=auth).status_code == 200
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sandlot",
+                "--database",
+                pg_url,
+                "api-keys",
+                "revoke",
+                made.info.id,
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "SANDLOT_HOME": str(tmp_path / "cli")},
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert httpx.get(f"{a.url}/v1/sandboxes", headers=auth).status_code == 401
