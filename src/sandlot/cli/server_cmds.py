@@ -76,6 +76,10 @@ def serve(
     public_metrics: Annotated[
         bool, typer.Option("--public-metrics", help="Serve /metrics without a key.")
     ] = False,
+    public_docs: Annotated[
+        bool,
+        typer.Option("--public-docs", help="Serve /openapi.json and /docs without a key."),
+    ] = False,
     mcp: Annotated[bool, typer.Option("--mcp/--no-mcp", help="Serve MCP at /mcp.")] = True,
 ) -> None:
     """Serve the HTTP API (and MCP at /mcp) until interrupted."""
@@ -92,6 +96,7 @@ def serve(
         quota=Quota(max_live_sandboxes=max_sandboxes, max_concurrent_execs=max_execs),
         admission_timeout=admission_timeout,
         metrics_public=public_metrics,
+        docs_public=public_docs,
         mcp=mcp,
     )
 

@@ -3,7 +3,8 @@
     app = create_app(manager, ApiKeyStore(url), ServerConfig())
     uvicorn.run(app, host="127.0.0.1", port=8470)
 
-Every request (except ``/healthz``, ``/version`` and, when public, ``/metrics``) carries
+Every request (except ``/healthz``, ``/version`` and, when public, ``/metrics`` and the API's
+description, ``/openapi.json`` and ``/docs``) carries
 ``Authorization: Bearer <api key>``; the key names the tenant and principal the Manager call
 acts as, so a tenant never sees, touches, or learns of another tenant's records (they are
 ``404``, exactly like ids that do not exist). Errors are ``application/problem+json`` with
@@ -75,6 +76,7 @@ from sandlot.models import (
     SnapshotInfo,
     new_id,
 )
+from sandlot.server.docs_gate import DocsGate
 from sandlot.server.keys import ApiKeyStore
 from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
@@ -141,6 +143,8 @@ class ServerConfig:
         admission_timeout: Seconds a request over quota waits for a slot before 429.
         admission_queue: Requests that may wait per tenant and kind; more get 429 at once.
         metrics_public: Serve ``/metrics`` without a key (default: admin keys only).
+        docs_public: Serve ``/openapi.json`` and ``/docs`` without a key (default: any valid
+            key).
         stdin_attach_timeout: Seconds a streamed-stdin exec waits for its input to attach.
         sweep_interval: Seconds between sweeps that stop sandboxes past their TTL or idle
             timeout (None: no sweeping; ``reconcile`` still does it).
@@ -158,6 +162,7 @@ class ServerConfig:
     admission_timeout: float = 30.0
     admission_queue: int = 64
     metrics_public: bool = False
+    docs_public: bool = False
     stdin_attach_timeout: float = 30.0
     sweep_interval: float | None = 30.0
     mcp: bool = True
@@ -572,6 +577,7 @@ def create_app(
     app.add_middleware(_BodyLimit, limit=lambda: cfg.max_upload_bytes)
     app.add_middleware(_Metrics, metrics=lambda: plane.metrics)
     app.add_middleware(KeySessionGuard, sessions=lambda: plane.sessions)
+    app.add_middleware(DocsGate, keys=keys, public=cfg.docs_public)
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:

@@ -106,7 +106,7 @@ def test_sandlot_serve(tmp_path: Path) -> None:
     key = sandlot("api-keys", "create", "--tenant", "served", env=env).stdout.strip()
     port = _free_port()
     proc = subprocess.Popen(
-        [*SANDLOT, "serve", "--port", str(port), "--max-sandboxes", "5"],
+        [*SANDLOT, "serve", "--port", str(port), "--max-sandboxes", "5", "--public-docs"],
         env={**os.environ, **env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -129,6 +129,7 @@ def test_sandlot_serve(tmp_path: Path) -> None:
             assert sb.exec("echo served").stdout == "served\n"
             sb.destroy()
         assert httpx.get(f"{url}/version").json()["default_backend"] == "fake"
+        assert httpx.get(f"{url}/openapi.json").status_code == 200  # --public-docs
     finally:
         proc.send_signal(signal.SIGINT)
         try:
