@@ -102,6 +102,7 @@ def serve(
 
     async def main() -> None:
         from sandlot.server.outputlog import DatabaseExecOutputLog
+        from sandlot.server.redact import log_config
         from sandlot.store.connect import redact_url
 
         url = _database(database)
@@ -124,7 +125,14 @@ def serve(
         keys = ApiKeyStore(url)
         app_ = create_app(sdk.manager, keys, config, output_log=output)
         server = uvicorn.Server(
-            uvicorn.Config(app_, host=host, port=port, lifespan="on", log_level="info")
+            uvicorn.Config(
+                app_,
+                host=host,
+                port=port,
+                lifespan="on",
+                log_level="info",
+                log_config=log_config(),
+            )
         )
         shown = f"[{host}]" if ":" in host else host
         err.print(

@@ -82,6 +82,7 @@ from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
 from sandlot.server.problems import PayloadTooLarge, Unauthenticated, problem_body
 from sandlot.server.quotas import Admission, Quota
+from sandlot.server.redact import install as redact_logs
 from sandlot.server.sessions import KeySessionGuard, KeySessions, note_key
 from sandlot.server.wire import (
     DIGEST_HEADER,
@@ -535,6 +536,8 @@ def create_app(
     output = output_log or MemoryExecOutputLog(
         retention=cfg.output_retention, max_bytes=cfg.output_max_bytes
     )
+    # A key sent where it does not belong (a query string) must not reach the access log.
+    redact_logs()
     # The server sweeps on its own schedule (``sweep_interval``), never inline in a request.
     manager.sweep_every = None
     plane = _Plane(manager, keys, cfg, output)
