@@ -19,13 +19,15 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from sandlot.client import AsyncClient
+from sandlot.client import AsyncClient, Client
 from sandlot.server import ServerConfig
 from sandlot.server.keys import ApiKeyStore
 from sandlot.server.testing import ServerThread
 from sandlot.testing import FakeBackend
 
 pytestmark = pytest.mark.needs_postgres
+
+SANDLOT = [sys.executable, "-m", "sandlot"]
 
 DEADLINE = 1.0
 """Seconds within which a revoked key's open connections must have ended."""
@@ -134,27 +136,31 @@ async def test_a_revocation_by_another_process_is_seen_at_once(pg_url: str) -> N
         await there.aclose()
 
 
-def test_cli_revoke_refuses_the_key_on_a_running_server(tmp_path: Path, pg_url: str) -> None:
+def test_cli_revoke_ends_the_key_on_a_running_server(tmp_path: Path, pg_url: str) -> None:
+    """``sandlot api-keys revoke`` talks to no server: the server learns from the database."""
     with _server(tmp_path / "a", pg_url) as a:
         made = anyio.run(a.keys.create, "tenant-c")
         auth = {"Authorization": f"Bearer {made.key}"}
-        assert httpx.get(f"{a.url}/v1/sandboxes", headers=auth).status_code == 200
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "sandlot",
-                "--database",
-                pg_url,
-                "api-keys",
-                "revoke",
-                made.info.id,
-            ],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "SANDLOT_HOME": str(tmp_path / "cli")},
-            timeout=60,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-        assert httpx.get(f"{a.url}/v1/sandboxes", headers=auth).status_code == 401
+        with Client(a.url, made.key) as client:
+            sb = client.create()
+        with httpx.Client(base_url=a.url, headers=auth, timeout=30) as http:
+            with http.stream(
+                "POST", f"/v1/sandboxes/{sb.id}/execs", json={"command": "sleep 30"}
+            ) as stream:
+                lines = stream.iter_lines()
+                assert next(lines).startswith("event: started")
+                done = subprocess.run(
+                    [*SANDLOT, "--database", pg_url, "api-keys", "revoke", made.info.id],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "SANDLOT_HOME": str(tmp_path / "cli")},
+                    timeout=60,
+                    check=False,
+                )
+                assert done.returncode == 0, done.stderr
+                revoked = time.monotonic()
+                assert http.get("/v1/sandboxes").status_code == 401
+                rest = list(lines)  # ends when the server ends the stream
+                took = time.monotonic() - revoked
+        assert took < DEADLINE, took
+        assert "event: error" in rest, rest
