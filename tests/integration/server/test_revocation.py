@@ -61,10 +61,13 @@ async def test_revoking_a_key_ends_its_streams_and_terminals_on_every_server(
         ended: dict[str, float] = {}
         last: dict[str, object] = {}
         revoked_at: list[float] = []
+        exec_ids: list[str] = []
 
         async def follow(name: str, response: httpx.Response) -> None:
             async for event, data in _sse_events(response.aiter_lines()):
                 last[name] = (event, json.loads(data).get("code"))
+                if event == "started":
+                    exec_ids.append(json.loads(data)["exec_id"])
             ended[name] = time.monotonic()
 
         async def terminal(ws: ClientConnection) -> None:
@@ -116,9 +119,19 @@ async def test_revoking_a_key_ends_its_streams_and_terminals_on_every_server(
         assert last["exec events"] == ("error", "unauthenticated")
         assert last["process output"] == ("error", "unauthenticated")
         assert last["terminal"] == (1008, "unauthenticated")
-        # The command started with the key was not the key: the tenant's other key sees it.
-        async with AsyncClient(b.url, other) as client:
-            assert (await client.get(sb.id)).info.status.value == "running"
+        # The command the key started runs on: the tenant's other key can still end it.
+        await _cancel(b.url, other, exec_ids[0])
+
+
+async def _cancel(url: str, key: str, exec_id: str) -> None:
+    """Cancel a running command with ``key`` and wait until it has ended."""
+    auth = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, headers=auth, timeout=30) as http:
+        assert (await http.post(f"/v1/execs/{exec_id}/cancel")).status_code == 204
+        async with http.stream("GET", f"/v1/execs/{exec_id}/events") as events:
+            outcome = [e async for e in _sse_events(events.aiter_lines())][-1]
+    assert outcome[0] == "error"
+    assert json.loads(outcome[1])["details"]["cancelled"] is True
 
 
 async def test_a_revocation_by_another_process_is_seen_at_once(pg_url: str) -> None:
@@ -143,24 +156,28 @@ def test_cli_revoke_ends_the_key_on_a_running_server(tmp_path: Path, pg_url: str
         auth = {"Authorization": f"Bearer {made.key}"}
         with Client(a.url, made.key) as client:
             sb = client.create()
-        with httpx.Client(base_url=a.url, headers=auth, timeout=30) as http:
-            with http.stream(
+        with (
+            httpx.Client(base_url=a.url, headers=auth, timeout=30) as http,
+            http.stream(
                 "POST", f"/v1/sandboxes/{sb.id}/execs", json={"command": "sleep 30"}
-            ) as stream:
-                lines = stream.iter_lines()
-                assert next(lines).startswith("event: started")
-                done = subprocess.run(
-                    [*SANDLOT, "--database", pg_url, "api-keys", "revoke", made.info.id],
-                    capture_output=True,
-                    text=True,
-                    env={**os.environ, "SANDLOT_HOME": str(tmp_path / "cli")},
-                    timeout=60,
-                    check=False,
-                )
-                assert done.returncode == 0, done.stderr
-                revoked = time.monotonic()
-                assert http.get("/v1/sandboxes").status_code == 401
-                rest = list(lines)  # ends when the server ends the stream
-                took = time.monotonic() - revoked
+            ) as stream,
+        ):
+            lines = stream.iter_lines()
+            assert next(lines).startswith("event: started")
+            exec_id = json.loads(next(lines).removeprefix("data: "))["exec_id"]
+            done = subprocess.run(
+                [*SANDLOT, "--database", pg_url, "api-keys", "revoke", made.info.id],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "SANDLOT_HOME": str(tmp_path / "cli")},
+                timeout=60,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr
+            revoked = time.monotonic()
+            assert http.get("/v1/sandboxes").status_code == 401
+            rest = list(lines)  # ends when the server ends the stream
+            took = time.monotonic() - revoked
         assert took < DEADLINE, took
         assert "event: error" in rest, rest
+        anyio.run(_cancel, a.url, a.new_key("tenant-c"), exec_id)
