@@ -109,6 +109,10 @@ class KeySessions:
                 # The database is away: the next round tries again, and new requests are
                 # refused meanwhile (they cannot be authenticated either).
                 log.warning("checking for revoked API keys failed: %s", e.message)
+            except Exception:
+                # This task lives in the server's lifespan task group: letting a bug out would
+                # stop the whole server, so it is logged and the next round tries again.
+                log.exception("checking for revoked API keys failed")
             await anyio.sleep(self.interval)
 
 

@@ -181,3 +181,35 @@ def test_cli_revoke_ends_the_key_on_a_running_server(tmp_path: Path, pg_url: str
         assert took < DEADLINE, took
         assert "event: error" in rest, rest
         anyio.run(_cancel, a.url, a.new_key("tenant-c"), exec_id)
+
+
+async def test_revocation_still_ends_streams_after_the_key_table_was_away(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """A database error while the server looks for revoked keys (here the key table is gone
+    for a moment, as in a botched migration or restore) must not stop it looking."""
+    import psycopg
+
+    with _server(tmp_path / "a", pg_url) as a:
+        made = await a.keys.create("tenant-w")
+        auth = {"Authorization": f"Bearer {made.key}"}
+        async with AsyncClient(a.url, made.key) as client:
+            sb = await client.create()
+            cat = await sb.start_process("cat")
+        output = f"/v1/sandboxes/{sb.id}/processes/{cat.id}/output"
+        async with (
+            httpx.AsyncClient(base_url=a.url, headers=auth, timeout=30) as http,
+            http.stream("GET", output, params={"follow": True}) as stream,
+        ):
+            assert stream.status_code == 200
+            async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as db:
+                await db.execute("ALTER TABLE api_keys RENAME TO api_keys_away")
+                await anyio.sleep(1.2)  # a few rounds of looking fail meanwhile
+                await db.execute("ALTER TABLE api_keys_away RENAME TO api_keys")
+            await a.keys.revoke(made.info.id)
+            revoked = time.monotonic()
+            with anyio.move_on_after(5):
+                tail = [line async for line in stream.aiter_lines()]
+            took = time.monotonic() - revoked
+        assert took < DEADLINE, took
+        assert "event: error" in tail, tail
