@@ -12,9 +12,11 @@ server at all.
 
 :class:`KeySessionGuard` is the ASGI middleware that registers connections: authentication
 calls :func:`note_key` with the key's id, and once the response turns out to be an event
-stream (or the WebSocket is accepted) the connection becomes cancellable. A plain request is
-never cut short: its key was valid when it arrived, and a half-done create or write is worse
-than a finished one. Other long-lived things (MCP sessions) register through
+stream (or the WebSocket is accepted) the connection becomes cancellable; so does a request
+body still streaming in after authentication (a command's standard input, typed like a
+terminal's), until its last byte, when it is refused with 401. Work itself is never cut
+short: its key was valid when it arrived, and a half-done create or write is worse than a
+finished one; commands the key started run on (the tenant's other keys see them). Other long-lived things (MCP sessions) register through
 :meth:`KeySessions.open`.
 
 This module must not import the Manager, backends or FastAPI.
@@ -34,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sandlot.errors import SandboxError, Unauthenticated
 from sandlot.server.keys import ApiKeyStore
 from sandlot.server.problems import problem_body
-from sandlot.server.wire import PtyError
+from sandlot.server.wire import PROBLEM_TYPE, PtyError
 
 __all__ = ["REVOKED", "KeySessionGuard", "KeySessions", "note_key"]
 
@@ -141,7 +143,8 @@ def _is_event_stream(message: Message) -> bool:
 
 
 class KeySessionGuard:
-    """ASGI middleware: event streams and WebSockets end when their key is revoked."""
+    """ASGI middleware: event streams, WebSockets and request bodies still streaming in end
+    when their key is revoked."""
 
     def __init__(self, app: ASGIApp, sessions: Callable[[], KeySessions]) -> None:
         self.app = app
@@ -155,16 +158,40 @@ class KeySessionGuard:
         connection = _Connection()
         scope[_SCOPE_KEY] = connection
         unregister: Callable[[], None] | None = None
-        ended = False
+        body_watch: Callable[[], None] | None = None
+        started = ended = body_done = False
 
-        async def tracked(message: Message) -> None:
-            nonlocal unregister, ended
+        def watch() -> Callable[[], None] | None:
+            if connection.key_id is None:
+                return None
+            return self.sessions().open(connection.key_id, connection.scope.cancel)
+
+        async def tracked_receive() -> Message:
+            nonlocal body_watch, body_done
+            if kind == "http" and not started and not body_done and body_watch is None:
+                # A body still coming in after authentication (a command's streamed
+                # standard input, an upload) is the key keeping a connection open too: it
+                # may be cut until its last byte, never after, when the work it feeds starts.
+                body_watch = watch()
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+                if body_watch is not None:
+                    body_watch()
+                    body_watch = None
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal unregister, started, ended
             what = message["type"]
             if what == "websocket.accept" or (
                 what == "http.response.start" and _is_event_stream(message)
             ):
-                if connection.key_id is not None and unregister is None:
-                    unregister = self.sessions().open(connection.key_id, connection.scope.cancel)
+                started = True
+                if unregister is None:
+                    unregister = watch()
+            elif what == "http.response.start":
+                started = True
             elif what == "websocket.close" or (
                 what == "http.response.body" and not message.get("more_body", False)
             ):
@@ -173,20 +200,25 @@ class KeySessionGuard:
 
         try:
             with connection.scope:
-                await self.app(scope, receive, tracked)
+                await self.app(scope, tracked_receive, tracked_send)
         finally:
-            if unregister is not None:
-                unregister()
+            for done in (unregister, body_watch):
+                if done is not None:
+                    done()
         if connection.scope.cancel_called and not ended:
-            await _tell_revoked(kind, send)
+            await _tell_revoked(kind, started, send)
 
 
-async def _tell_revoked(kind: str, send: Send) -> None:
+async def _tell_revoked(kind: str, started: bool, send: Send) -> None:
     problem = problem_body(Unauthenticated(REVOKED))
     # A client that stopped reading must not hold the connection open: after a second
     # the server drops it without the last word.
     with anyio.move_on_after(1), contextlib.suppress(OSError, RuntimeError):
-        if kind == "http":
+        if kind == "http" and not started:
+            headers = [(b"content-type", PROBLEM_TYPE.encode()), (b"connection", b"close")]
+            await send({"type": "http.response.start", "status": 401, "headers": headers})
+            await send({"type": "http.response.body", "body": json.dumps(problem).encode()})
+        elif kind == "http":
             event = f"event: error\ndata: {json.dumps(problem)}\n\n".encode()
             await send({"type": "http.response.body", "body": event, "more_body": False})
         else:

@@ -213,3 +213,55 @@ async def test_revocation_still_ends_streams_after_the_key_table_was_away(
             took = time.monotonic() - revoked
         assert took < DEADLINE, took
         assert "event: error" in tail, tail
+
+
+async def test_revocation_cuts_a_command_s_streamed_input(tmp_path: Path, pg_url: str) -> None:
+    """Input streamed into a command is typing into it, as in a terminal: it stops too."""
+    with _server(tmp_path / "a", pg_url) as a:
+        made = await a.keys.create("tenant-i")
+        other = a.new_key("tenant-i")
+        auth = {"Authorization": f"Bearer {made.key}"}
+        async with AsyncClient(a.url, made.key) as client:
+            sb = await client.create()
+        revoked: list[float] = []
+
+        async def typing() -> AsyncIterator[bytes]:
+            yield b"before\n"
+            for _ in range(100):  # five seconds of it, unless cut
+                await anyio.sleep(0.05)
+                yield b"after\n" if revoked else b"before\n"
+
+        async with (
+            httpx.AsyncClient(base_url=a.url, headers=auth, timeout=30) as http,
+            http.stream(
+                "POST",
+                f"/v1/sandboxes/{sb.id}/execs",
+                json={"command": "cat", "stdin_stream": True},
+            ) as events,
+        ):
+            event, data = await anext(_sse_events(events.aiter_lines()))
+            assert event == "started"
+            exec_id = json.loads(data)["exec_id"]
+
+            async def feed() -> None:
+                with contextlib.suppress(httpx.TransportError):
+                    await http.put(f"/v1/execs/{exec_id}/stdin", content=typing())
+                revoked.append(time.monotonic())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(feed)
+                await anyio.sleep(0.3)
+                await a.keys.revoke(made.info.id)
+                revoked.append(time.monotonic())
+        took = revoked[-1] - revoked[0]
+        assert took < DEADLINE, took
+        # The command saw its input end: it finished, and the tenant's other key reads it.
+        async with (
+            httpx.AsyncClient(
+                base_url=a.url, headers={"Authorization": f"Bearer {other}"}, timeout=30
+            ) as http,
+            http.stream("GET", f"/v1/execs/{exec_id}/events") as rest,
+        ):
+            outcome = [e async for e in _sse_events(rest.aiter_lines())][-1]
+        assert outcome[0] == "result", outcome
+        assert json.loads(outcome[1])["stdout"].startswith("before\n")
