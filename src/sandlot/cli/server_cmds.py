@@ -89,6 +89,10 @@ def serve(
     public_metrics: Annotated[
         bool, typer.Option("--public-metrics", help="Serve /metrics without a key.")
     ] = False,
+    public_docs: Annotated[
+        bool,
+        typer.Option("--public-docs", help="Serve /openapi.json and /docs without a key."),
+    ] = False,
     mcp: Annotated[bool, typer.Option("--mcp/--no-mcp", help="Serve MCP at /mcp.")] = True,
     enable_backend: Annotated[
         list[str] | None,
@@ -118,12 +122,14 @@ def serve(
         max_concurrent_uploads=max_uploads_total,
         admission_timeout=admission_timeout,
         metrics_public=public_metrics,
+        docs_public=public_docs,
         mcp=mcp,
         enable_backends=frozenset(enable_backend or ()),
     )
 
     async def main() -> None:
         from sandlot.server.outputlog import DatabaseExecOutputLog
+        from sandlot.server.redact import log_config
         from sandlot.store.connect import redact_url
 
         url = _database(database)
@@ -155,7 +161,14 @@ def serve(
         keys = ApiKeyStore(url)
         app_ = create_app(sdk.manager, keys, config, output_log=output)
         server = uvicorn.Server(
-            uvicorn.Config(app_, host=host, port=port, lifespan="on", log_level="info")
+            uvicorn.Config(
+                app_,
+                host=host,
+                port=port,
+                lifespan="on",
+                log_level="info",
+                log_config=log_config(),
+            )
         )
         shown = f"[{host}]" if ":" in host else host
         err.print(

@@ -3,7 +3,8 @@
     app = create_app(manager, ApiKeyStore(url), ServerConfig())
     uvicorn.run(app, host="127.0.0.1", port=8470)
 
-Every request (except ``/healthz``, ``/version`` and, when public, ``/metrics``) carries
+Every request (except ``/healthz``, ``/version`` and, when public, ``/metrics`` and the API's
+description, ``/openapi.json`` and ``/docs``) carries
 ``Authorization: Bearer <api key>``; the key names the tenant and principal the Manager call
 acts as, so a tenant never sees, touches, or learns of another tenant's records (they are
 ``404``, exactly like ids that do not exist). Errors are ``application/problem+json`` with
@@ -75,13 +76,16 @@ from sandlot.models import (
     SnapshotInfo,
     new_id,
 )
+from sandlot.server.docs_gate import DocsGate
 from sandlot.server.keys import ApiKeyStore
 from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
 from sandlot.server.offer import check_offered, offered
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
 from sandlot.server.problems import PayloadTooLarge, Unauthenticated, problem_body
 from sandlot.server.quotas import Admission, Quota, hold_until_exit
+from sandlot.server.redact import install as redact_logs
 from sandlot.server.replays import admit
+from sandlot.server.sessions import KeySessionGuard, KeySessions, note_key
 from sandlot.server.wire import (
     DIGEST_HEADER,
     IDEMPOTENCY_HEADER,
@@ -145,6 +149,8 @@ class ServerConfig:
             has its own ``Quota.max_concurrent_uploads``); None: unlimited.
         admission_queue: Requests that may wait per tenant and kind; more get 429 at once.
         metrics_public: Serve ``/metrics`` without a key (default: admin keys only).
+        docs_public: Serve ``/openapi.json`` and ``/docs`` without a key (default: any valid
+            key).
         stdin_attach_timeout: Seconds a streamed-stdin exec waits for its input to attach.
         sweep_interval: Seconds between sweeps that stop sandboxes past their TTL or idle
             timeout (None: no sweeping; ``reconcile`` still does it).
@@ -165,6 +171,7 @@ class ServerConfig:
     max_concurrent_uploads: int | None = 16
     admission_queue: int = 64
     metrics_public: bool = False
+    docs_public: bool = False
     stdin_attach_timeout: float = 30.0
     sweep_interval: float | None = 30.0
     mcp: bool = True
@@ -202,6 +209,7 @@ class _Plane:
         self.config = config
         self.output = output
         self.metrics = ServerMetrics()
+        self.sessions = KeySessions(keys)
         self.sandboxes = Admission(
             "live sandboxes",
             lambda t: config.quota_for(t).max_live_sandboxes,
@@ -280,11 +288,12 @@ async def _actor(
     if credentials is None or not credentials.credentials:
         msg = "this request needs an API key: send `Authorization: Bearer <key>`"
         raise Unauthenticated(msg)
-    actor = await _plane(request).keys.authenticate(credentials.credentials)
-    if actor is None:
+    info = await _plane(request).keys.identify(credentials.credentials)
+    if info is None:
         msg = "the API key is unknown or revoked"
         raise Unauthenticated(msg)
-    return actor
+    note_key(request.scope, info.id)
+    return info.actor
 
 
 _IDEMPOTENCY = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -565,6 +574,8 @@ def create_app(
     output = output_log or MemoryExecOutputLog(
         retention=cfg.output_retention, max_bytes=cfg.output_max_bytes
     )
+    # A key sent where it does not belong (a query string) must not reach the access log.
+    redact_logs()
     # The server sweeps on its own schedule (``sweep_interval``), never inline in a request.
     manager.sweep_every = None
     plane = _Plane(manager, keys, cfg, output)
@@ -581,6 +592,7 @@ def create_app(
                 await stack.enter_async_context(mcp_endpoint.running())
             async with anyio.create_task_group() as tg:
                 plane.tasks = tg
+                tg.start_soon(plane.sessions.watch)
                 if cfg.sweep_interval:
                     tg.start_soon(_sweep, manager, cfg.sweep_interval)
                 try:
@@ -605,6 +617,8 @@ def create_app(
     app.state.plane = plane
     app.add_middleware(_BodyLimit, limit=lambda: cfg.max_upload_bytes)
     app.add_middleware(_Metrics, metrics=lambda: plane.metrics)
+    app.add_middleware(KeySessionGuard, sessions=lambda: plane.sessions)
+    app.add_middleware(DocsGate, keys=keys, public=cfg.docs_public)
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
@@ -1601,11 +1615,12 @@ async def _ws_actor(plane: _Plane, websocket: WebSocket) -> Actor:
     if scheme.lower() != "bearer" or not key.strip():
         msg = "this request needs an API key: send `Authorization: Bearer <key>`"
         raise Unauthenticated(msg)
-    actor = await plane.keys.authenticate(key.strip())
-    if actor is None:
+    info = await plane.keys.identify(key.strip())
+    if info is None:
         msg = "the API key is unknown or revoked"
         raise Unauthenticated(msg)
-    return actor
+    note_key(websocket.scope, info.id)
+    return info.actor
 
 
 def _pty_params(

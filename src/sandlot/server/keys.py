@@ -2,9 +2,12 @@
 
 A key is ``sandlot_`` followed by 256 random bits; the database keeps only its SHA-256
 (:mod:`sandlot.server.schema`), so a leaked database does not leak keys, and the key text is
-shown exactly once, when it is made. Authentication is one indexed lookup, cached briefly
-(``cache_ttl``) so a busy client does not cost a query per request; a revocation therefore
-takes effect within ``cache_ttl`` seconds on servers that already saw the key.
+shown exactly once, when it is made. Authentication is one indexed lookup on every request,
+never cached: a revocation made anywhere (another server on the same database, ``sandlot
+api-keys revoke``) refuses the key's next request at once. Connections that outlive a request
+(event streams, terminals) are ended by :mod:`sandlot.server.sessions`, which asks
+:meth:`ApiKeyStore.revoked_among`. A cache put in front of :meth:`ApiKeyStore.identify` must
+keep that promise: it may remember who a key is, never that it is not revoked.
 
 This module owns the key table's reads and writes; it must not import backends, the Manager
 or any web framework.
@@ -18,7 +21,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import TypeVar, final
 
@@ -136,17 +139,14 @@ class ApiKeyStore:
 
     Args:
         url: A SQLAlchemy database URL (SQLite or PostgreSQL).
-        cache_ttl: Seconds a successful authentication is remembered (0 disables the cache).
     """
 
-    def __init__(self, url: str, *, cache_ttl: float = 2.0) -> None:
+    def __init__(self, url: str) -> None:
         self.url = url
-        self.cache_ttl = cache_ttl
         self.engine = open_engine(url)
         self._writer = self.engine.execution_options(sandlot_write=True)
         self._ready = False
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[Actor, float]] = {}
 
     def _ensure_schema(self) -> None:
         if self._ready:
@@ -261,21 +261,18 @@ class ApiKeyStore:
                 raise NotFound(msg, id=key_id)
             return _info(row)
 
-        info = await self._run(do)
-        self._cache.clear()
-        return info
+        return await self._run(do)
 
-    async def authenticate(self, key: str) -> Actor | None:
-        """The actor a key acts as, or None when the key is unknown or revoked."""
+    async def identify(self, key: str) -> ApiKeyInfo | None:
+        """The record of a live key, or None when the key is unknown or revoked.
+
+        Reads the database every time, so a revocation from anywhere counts at once.
+        """
         if not key.startswith(KEY_PREFIX) or len(key) > 256:
             return None
         digest = hash_key(key)
-        cached = self._cache.get(digest)
-        now = time.monotonic()
-        if cached is not None and cached[1] > now:
-            return cached[0]
 
-        def do() -> Actor | None:
+        def do() -> ApiKeyInfo | None:
             with self.engine.connect() as conn:
                 row = conn.execute(
                     select(api_keys).where(
@@ -284,16 +281,33 @@ class ApiKeyStore:
                 ).first()
             if row is None:
                 return None
-            found = _info(row).actor
+            found = _info(row)
             # A key made before the name was reserved must not sign as sandlot's own duties.
             return None if found.principal == SYSTEM_PRINCIPAL else found
 
-        actor = await self._run(do)
-        if actor is not None and self.cache_ttl > 0:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[digest] = (actor, now + self.cache_ttl)
-        return actor
+        return await self._run(do)
+
+    async def authenticate(self, key: str) -> Actor | None:
+        """The actor a key acts as, or None when the key is unknown or revoked."""
+        info = await self.identify(key)
+        return None if info is None else info.actor
+
+    async def revoked_among(self, key_ids: Iterable[str]) -> set[str]:
+        """Which of ``key_ids`` are revoked (or gone): the authority on revocation."""
+        wanted = set(key_ids)
+        if not wanted:
+            return set()
+
+        def do() -> set[str]:
+            with self.engine.connect() as conn:
+                live = conn.execute(
+                    select(api_keys.c.id).where(
+                        api_keys.c.id.in_(wanted), api_keys.c.revoked_at.is_(None)
+                    )
+                ).scalars()
+                return wanted - set(live)
+
+        return await self._run(do)
 
     async def aclose(self) -> None:
         """Release connections."""

@@ -1,6 +1,11 @@
 """The ``/mcp`` endpoint of ``sandlot serve``: MCP over streamable HTTP, behind API keys.
 
-A request without a valid key is refused (401) before the MCP layer sees it. The tools then
+A request without a valid key is refused (401) before the MCP layer sees it. Each MCP session
+belongs to the key that opened it (its tenant and key id, handed to the MCP layer as the
+request's user): with any other key, even the same tenant's, its ``mcp-session-id`` answers
+404 exactly like an unknown one, so a leaked session id lets nobody delete the session, read
+its stream or call tools in it. A revoked key's open MCP streams end like its other streams
+(:mod:`sandlot.server.sessions`). The tools then
 call this server's own HTTP API with the caller's key (an :class:`~sandlot.client.AsyncClient`
 per key, on the loopback address), so an MCP caller is one more client: tenant isolation,
 quotas, metrics and the policy gate apply to it exactly as to any other.
@@ -16,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import final
 
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from mcp.server.mcpserver import Context
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.types import Receive, Scope, Send
@@ -25,6 +32,7 @@ from sandlot.errors import InvalidRequest
 from sandlot.mcp.server import SandlotApi, build_server
 from sandlot.server.keys import ApiKeyStore, hash_key
 from sandlot.server.problems import Unauthenticated, problem_body
+from sandlot.server.sessions import note_key
 from sandlot.server.wire import PROBLEM_TYPE
 
 __all__ = ["McpEndpoint"]
@@ -77,8 +85,8 @@ class McpEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
         key = _bearer(headers)
-        actor = await self.keys.authenticate(key) if key else None
-        if actor is None:
+        info = await self.keys.identify(key) if key else None
+        if info is None:
             body = problem_body(
                 Unauthenticated("MCP over HTTP needs an API key: `Authorization: Bearer <key>`")
             )
@@ -94,6 +102,11 @@ class McpEndpoint:
             )
             await send({"type": "http.response.body", "body": json.dumps(body).encode()})
             return
+        note_key(scope, info.id)
+        # The MCP session manager binds a session to the user that opened it and answers 404
+        # to anyone else; the key's id (never its text) and tenant say who that is.
+        owner = AccessToken(token=info.id, client_id=info.id, subject=info.tenant, scopes=[])
+        scope["user"] = AuthenticatedUser(owner)
         if self.self_url is None:
             host, port = scope.get("server") or ("127.0.0.1", 80)
             if host in ("0.0.0.0", "::", ""):

@@ -104,7 +104,7 @@ class ServerThread:
         self._sock.listen(128)
         self.port: int = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.keys = ApiKeyStore(self.database, cache_ttl=0)
+        self.keys = ApiKeyStore(self.database)
         self.app: FastAPI | None = None
         self.sdk: AsyncSandlot | None = None
         self._server: uvicorn.Server | None = None
@@ -177,7 +177,7 @@ class ServerThread:
 
         sdk = AsyncSandlot(self.home, self.backend, self.database, backends=self.backends)
         self.sdk = sdk
-        keys = ApiKeyStore(self.database, cache_ttl=0)
+        keys = ApiKeyStore(self.database)
         output = None
         if self.durable_output:
             from sandlot.server.outputlog import DatabaseExecOutputLog

@@ -301,3 +301,92 @@ def test_http_mcp_needs_a_key(server: ServerThread) -> None:
     )
     assert refused.status_code == 401
     assert refused.json()["code"] == "unauthenticated"
+
+
+_MCP_ACCEPT = {"Accept": "application/json, text/event-stream"}
+
+
+def _open_mcp_session(http: httpx.Client) -> str:
+    """A session opened over raw HTTP, as any MCP client opens one: its ``mcp-session-id``."""
+    hello = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "1"},
+        },
+    }
+    opened = http.post("/mcp", json=hello, headers=_MCP_ACCEPT)
+    assert opened.status_code == 200, opened.text
+    session = opened.headers["mcp-session-id"]
+    ready = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    headers = {**_MCP_ACCEPT, "mcp-session-id": session, "mcp-protocol-version": "2025-06-18"}
+    assert http.post("/mcp", json=ready, headers=headers).status_code == 202
+    return session
+
+
+def _in_session(http: httpx.Client, method: str, session: str) -> httpx.Response:
+    headers = {**_MCP_ACCEPT, "mcp-session-id": session, "mcp-protocol-version": "2025-06-18"}
+    body = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+    if method == "POST":
+        return http.post("/mcp", json=body, headers=headers)
+    if method == "GET":
+        return http.get("/mcp", headers={**headers, "Accept": "text/event-stream"})
+    return http.delete("/mcp", headers=headers)
+
+
+def test_an_mcp_session_answers_only_the_key_that_opened_it(server: ServerThread) -> None:
+    keys = {
+        "owner": server.new_key("mcp-a"),
+        "same tenant, other key": server.new_key("mcp-a"),
+        "other tenant": server.new_key("mcp-b"),
+    }
+    clients = {
+        who: httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {k}"}, timeout=30)
+        for who, k in keys.items()
+    }
+    try:
+        session = _open_mcp_session(clients["owner"])
+        for who in ("same tenant, other key", "other tenant"):
+            for method in ("POST", "GET", "DELETE"):
+                taken = _in_session(clients[who], method, session)
+                unknown = _in_session(clients[who], method, "0" * 32)
+                assert taken.status_code == 404, (who, method, taken.text)
+                # Exactly as an unknown session: nothing tells the id exists.
+                assert (taken.status_code, taken.text) == (unknown.status_code, unknown.text)
+        # The owner's session survived every attempt.
+        listed = _in_session(clients["owner"], "POST", session)
+        assert listed.status_code == 200
+        assert "create_sandbox" in listed.text
+        assert _in_session(clients["owner"], "DELETE", session).status_code == 200
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+async def test_a_revoked_key_loses_its_mcp_stream(server: ServerThread) -> None:
+    made = await server.keys.create("mcp-r")
+    auth = {"Authorization": f"Bearer {made.key}"}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=30) as sync_http:
+        session = _open_mcp_session(sync_http)
+    headers = {
+        **auth,
+        "Accept": "text/event-stream",
+        "mcp-session-id": session,
+        "mcp-protocol-version": "2025-06-18",
+    }
+    async with (
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+        http.stream("GET", "/mcp", headers=headers) as stream,
+    ):
+        assert stream.status_code == 200
+        await server.keys.revoke(made.info.id)
+        revoked = anyio.current_time()
+        with anyio.fail_after(5):
+            tail = [line async for line in stream.aiter_lines()]
+        took = anyio.current_time() - revoked
+    assert took < 1.0, took
+    assert "event: error" in tail, tail
+    assert any("unauthenticated" in line for line in tail), tail

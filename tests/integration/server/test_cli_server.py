@@ -115,6 +115,7 @@ def test_sandlot_serve(tmp_path: Path) -> None:
             "5",
             "--enable-backend",
             "fake",
+            "--public-docs",
         ],
         env={**os.environ, **env},
         stdout=subprocess.DEVNULL,
@@ -138,6 +139,7 @@ def test_sandlot_serve(tmp_path: Path) -> None:
             assert sb.exec("echo served").stdout == "served\n"
             sb.destroy()
         assert httpx.get(f"{url}/version").json()["default_backend"] == "fake"
+        assert httpx.get(f"{url}/openapi.json").status_code == 200  # --public-docs
     finally:
         proc.send_signal(signal.SIGINT)
         try:

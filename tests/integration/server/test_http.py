@@ -40,17 +40,42 @@ def _events(lines: list[str]) -> list[tuple[str | None, str, dict[str, object]]]
     return out
 
 
-def test_service_endpoints_and_openapi(server: ServerThread) -> None:
+def test_service_endpoints_and_openapi(server: ServerThread, tenant_key: str) -> None:
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
     version = httpx.get(f"{server.url}/version").json()
     assert version["api"] == "v1"
     assert "fake" in version["backends"]
-    spec = httpx.get(f"{server.url}/openapi.json").json()
+    spec = httpx.get(f"{server.url}/openapi.json", headers=_auth(tenant_key)).json()
     paths = spec["paths"]
     for path in ("/v1/sandboxes", "/v1/sandboxes/{sandbox_id}/execs", "/v1/execs/{exec_id}/events"):
         assert path in paths
     assert "/mcp" not in paths
     assert "HTTPBearer" in json.dumps(spec["components"]["securitySchemes"])
+
+
+DOCS = ("/openapi.json", "/docs", "/docs/oauth2-redirect")
+
+
+def test_the_api_description_needs_a_key(server: ServerThread, tenant_key: str) -> None:
+    for path in DOCS:
+        for headers in ({}, _auth("sandlot_not-a-real-key")):
+            refused = httpx.get(f"{server.url}{path}", headers=headers)
+            assert refused.status_code == 401, (path, refused.text)
+            assert refused.headers["content-type"] == "application/problem+json"
+            assert refused.json()["code"] == "unauthenticated"
+            assert "--public-docs" in refused.json()["detail"]
+            assert "/v1/sandboxes" not in refused.text
+        assert httpx.get(f"{server.url}{path}", headers=_auth(tenant_key)).status_code == 200
+
+
+def test_a_server_can_make_its_api_description_public(tmp_path: Path) -> None:
+    config = ServerConfig(docs_public=True, sweep_interval=None)
+    with ServerThread(tmp_path, backends={"fake": FakeBackend()}, config=config) as server:
+        for path in DOCS:
+            assert httpx.get(f"{server.url}{path}").status_code == 200, path
+        assert "/v1/sandboxes" in httpx.get(f"{server.url}/openapi.json").json()["paths"]
+        # Only the description: the API itself still needs a key.
+        assert httpx.get(f"{server.url}/v1/sandboxes").status_code == 401
 
 
 def test_errors_are_problem_documents_with_stable_codes(
