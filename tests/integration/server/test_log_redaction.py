@@ -86,7 +86,10 @@ def test_no_key_reaches_the_server_log(tmp_path: Path) -> None:
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [*SANDLOT, "serve", "--port", str(port)], env=env, stdout=log, stderr=log
+            [*SANDLOT, "serve", "--port", str(port), "--enable-backend", "fake"],
+            env=env,
+            stdout=log,
+            stderr=log,
         )
         try:
             deadline = time.monotonic() + 30
