@@ -128,6 +128,8 @@ class Word:
     @property
     def glob(self) -> bool:
         """True when an unquoted ``*``, ``?`` or ``[`` makes the word a pattern."""
+        if _GLOB_CHARS.isdisjoint(self.text):
+            return False
         return any(c in _GLOB_CHARS and m == "0" for c, m in zip(self.text, self.mask, strict=True))
 
     @property
