@@ -15,12 +15,14 @@ would accept anyway, so nothing that could run is refused:
 - the environment given with a command: :data:`MAX_ENV_ITEMS` variables (only their names
   reach policy, but every simple command of the string carries them);
 - what a command string runs: :data:`MAX_COMMANDS` simple commands (``a; b && c | d`` is 4),
-  counted while it is read; what runs more is refused before policy sees any of it.
+  counted while it is read, and :data:`MAX_WORDS` words and operators; what has more is
+  refused as soon as the count is passed, before policy sees any of it.
 
 Sizes are UTF-8 bytes. A request over a bound is :class:`~sandlot.errors.InvalidRequest`
 naming the bound. The Manager checks every command it launches (with or without a policy) and
 the normalizer checks what it is given, so HTTP, MCP and the SDK all meet the same bounds.
-This module imports nothing from sandlot but :mod:`sandlot.errors`.
+This module imports nothing from sandlot but :mod:`sandlot.errors` and the pure string
+reader :mod:`sandlot.policy.shell`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final, NoReturn
 
 from sandlot.errors import InvalidRequest
+from sandlot.policy.shell import MAX_TOKENS
 
 __all__ = [
     "MAX_ARGV_BYTES",
@@ -38,11 +41,13 @@ __all__ = [
     "MAX_ENV_ITEMS",
     "MAX_PATH_BYTES",
     "MAX_PATH_DEPTH",
+    "MAX_WORDS",
     "check_argv",
     "check_command",
     "check_command_count",
     "check_env",
     "check_path",
+    "refuse_words",
 ]
 
 MAX_ARG_BYTES: Final = 128 * 1024
@@ -53,8 +58,10 @@ MAX_ARGV_BYTES: Final = 256 * 1024
 """Most bytes in an argv, a NUL after each item included."""
 MAX_PATH_BYTES: Final = 4096
 """Longest path (Linux's ``PATH_MAX``; a longer one fails with ``ENAMETOOLONG`` anyway)."""
-MAX_COMMANDS: Final = 4096
+MAX_COMMANDS: Final = 1024
 """Most simple commands one command string may run, as the policy gate reads it."""
+MAX_WORDS: Final = MAX_TOKENS
+"""Most words and operators in one command string (``a; b`` has 3), each nested string too."""
 MAX_PATH_DEPTH: Final = 128
 """Most components in a path (``/a/b`` has 2)."""
 MAX_ENV_ITEMS: Final = 128
@@ -145,3 +152,16 @@ def check_command_count(count: int) -> None:
             "(MAX_COMMANDS, see docs/server.md#limits); run a script file instead"
         )
         raise InvalidRequest(msg, limit="MAX_COMMANDS", maximum=MAX_COMMANDS, size=count)
+
+
+def refuse_words() -> NoReturn:
+    """Refuse a command string with more than :data:`MAX_WORDS` words and operators.
+
+    Raises:
+        InvalidRequest: naming the limit.
+    """
+    msg = (
+        f"the command string has more than {MAX_WORDS} words and operators "
+        "(MAX_WORDS, see docs/server.md#limits); run a script file instead"
+    )
+    raise InvalidRequest(msg, limit="MAX_WORDS", maximum=MAX_WORDS)

@@ -976,6 +976,8 @@ def normalize_command(
         _run([_Arg.plain(a) for a in argv], [], (cwd,), st, 0, (), set())
     except InvalidRequest:
         raise
+    except shell.TooManyTokens:
+        limits.refuse_words()
     except Exception as e:
         # A command the gate cannot read is refused, never waved through.
         msg = f"the policy gate could not read this command ({type(e).__name__}: {e})"

@@ -20,6 +20,7 @@ from sandlot.policy.limits import (
     MAX_ENV_ITEMS,
     MAX_PATH_BYTES,
     MAX_PATH_DEPTH,
+    MAX_WORDS,
 )
 
 from .conftest import request
@@ -133,7 +134,7 @@ SHAPES: dict[str, Callable[[int], str]] = {
 @pytest.mark.parametrize("shape", SHAPES)
 def test_reading_a_command_takes_time_in_proportion_to_its_size(shape: str) -> None:
     make = SHAPES[shape]
-    small, large = make(1000), make(4000)
+    small, large = make(MAX_COMMANDS // 4), make(MAX_COMMANDS)
     env = {f"V{i}": "x" for i in range(64)}
     _best(lambda: normalize_command(small, env=env), rounds=1)  # warm up
     t_small = _best(lambda: normalize_command(small, env=env))
@@ -141,3 +142,13 @@ def test_reading_a_command_takes_time_in_proportion_to_its_size(shape: str) -> N
     # 4x the input: linear is 4x the time; allow 8x (and 5 ms) for a busy host. A quadratic
     # path would take 16x.
     assert t_large < 8 * t_small + 0.005, f"{t_small * 1000:.1f} ms -> {t_large * 1000:.1f} ms"
+
+
+def test_a_command_string_is_bounded_in_words_and_refused_before_reading_the_rest() -> None:
+    at_limit = "echo" + " x" * (MAX_WORDS - 1)
+    assert len(normalize_command(at_limit)["commands"][0]["args"]) == MAX_WORDS - 1  # type: ignore[index,call-overload]
+    refused("MAX_WORDS", lambda: normalize_command(at_limit + " x x"))
+    # A string of one-letter commands stops being read at the bound, not at its end.
+    small = ";".join(["a"] * (MAX_WORDS + 2))
+    large = ";".join(["a"] * (MAX_ARG_BYTES // 2 - 1))
+    assert _best(lambda: normalize_command(large)) < 2 * _best(lambda: normalize_command(small))
