@@ -121,6 +121,8 @@ def check_path(path: str, what: str = "the path") -> None:
     size = _size(path)
     if size > MAX_PATH_BYTES:
         _refuse(what, size, "bytes", MAX_PATH_BYTES, "MAX_PATH_BYTES")
+    if path.count("/") <= MAX_PATH_DEPTH:
+        return  # the common case: no need to count components
     depth = len([part for part in path.split("/") if part])
     if depth > MAX_PATH_DEPTH:
         _refuse(what, depth, "directories deep", MAX_PATH_DEPTH, "MAX_PATH_DEPTH")
