@@ -775,6 +775,9 @@ class Manager:
         )
         impl = self._backend(name)
         self._check_capabilities(impl, spec)
+        for step in (*spec.setup_steps(), spec.start, spec.resume):
+            if step is not None:
+                command_argv(step)  # its bounds, before anything is made
         await self._sweep_if_due()
         request: dict[str, JsonValue] = {"backend": name, "spec": spec.model_dump(mode="json")}
         begun = await self._begin_intent(actor, "sandbox.create", request, idempotency_key)

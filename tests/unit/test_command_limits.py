@@ -45,3 +45,14 @@ async def test_explain_refuses_an_oversized_command_by_name(aclient: AsyncSandlo
     with pytest.raises(InvalidRequest, match="MAX_ARG_BYTES") as info:
         await sb.explain("exec", command=" && ".join(["true"] * 200_000))
     assert info.value.details["maximum"] == MAX_ARG_BYTES
+
+
+async def test_a_spec_with_an_oversized_command_is_refused_before_anything_is_made(
+    aclient: AsyncSandlot, fake: FakeBackend
+) -> None:
+    too_long = "echo " + "a" * MAX_ARG_BYTES
+    for spec in ({"setup": ["true", too_long]}, {"start": too_long}, {"resume": too_long}):
+        with pytest.raises(InvalidRequest, match="MAX_ARG_BYTES"):
+            await aclient.create(**spec)  # type: ignore[arg-type]
+    assert await aclient.list() == []
+    assert fake.sandboxes == {}
