@@ -12,6 +12,7 @@ import pytest
 
 from sandlot.errors import InvalidRequest
 from sandlot.policy import normalize_command
+from sandlot.policy.cedar import MAX_RAW_BYTES, CedarEngine
 from sandlot.policy.limits import (
     MAX_ARG_BYTES,
     MAX_ARGV_BYTES,
@@ -23,7 +24,7 @@ from sandlot.policy.limits import (
     MAX_WORDS,
 )
 
-from .conftest import request
+from .conftest import decide, exec_request, request
 
 
 def refused(limit: str, fn: Callable[[], object]) -> InvalidRequest:
@@ -152,3 +153,23 @@ def test_a_command_string_is_bounded_in_words_and_refused_before_reading_the_res
     small = ";".join(["a"] * (MAX_WORDS + 2))
     large = ";".join(["a"] * (MAX_ARG_BYTES // 2 - 1))
     assert _best(lambda: normalize_command(large)) < 2 * _best(lambda: normalize_command(small))
+
+
+def test_a_policy_reading_raw_cannot_make_deciding_grow_with_commands_times_length() -> None:
+    engine = CedarEngine(
+        "permit(principal, action, resource);\n"
+        'forbid(principal, action == Action::"exec", resource) when { context.raw like "*curl*" };'
+    )
+    pad = "x" * 100
+
+    def script(n: int) -> str:
+        return ";".join(f"t{i} {pad}" for i in range(n))
+
+    fits = max(n for n in range(1, MAX_COMMANDS + 1, 8) if n * len(script(n)) <= MAX_RAW_BYTES)
+    assert decide(engine, exec_request(script(fits))).outcome.value == "ALLOW"
+    assert decide(engine, exec_request(script(fits) + "; curl x")).outcome.value == "DENY"
+    started = time.perf_counter()
+    over = decide(engine, exec_request(script(900)))  # under max_units, over the budget
+    assert time.perf_counter() - started < 1
+    assert (over.outcome.value, over.reason_code.value) == ("DENY", "POLICY_ERROR")
+    assert "MAX_RAW_BYTES" in over.message
