@@ -245,9 +245,12 @@ class Gate:
         engine = self.engine
         if isinstance(engine, SyncEngine):
             return await self._offload.run(
-                lambda: engine.explain_now(self.request(actor, action, resource, args))
+                lambda: engine.explain_now(self.request(actor, action, resource, args)),
+                actor.tenant,
             )
-        request = await self._offload.run(lambda: self.request(actor, action, resource, args))
+        request = await self._offload.run(
+            lambda: self.request(actor, action, resource, args), actor.tenant
+        )
         return await engine.explain(request)
 
     async def _decide(
@@ -267,10 +270,14 @@ class Gate:
                 decision = engine.evaluate(request)
                 return request, decision, sha256_ref(canonical_json(request.canonical()))
 
-            return await self._offload.run(work)
-        request = await self._offload.run(lambda: self.request(actor, action, resource, args))
+            return await self._offload.run(work, actor.tenant)
+        request = await self._offload.run(
+            lambda: self.request(actor, action, resource, args), actor.tenant
+        )
         decision = await engine.decide(request)
-        digest = await self._offload.run(lambda: sha256_ref(canonical_json(request.canonical())))
+        digest = await self._offload.run(
+            lambda: sha256_ref(canonical_json(request.canonical())), actor.tenant
+        )
         return request, decision, digest
 
     async def authorize(

@@ -4,9 +4,9 @@ Normalizing and deciding a one-line command takes tens of microseconds, less tha
 thread and back, so small operations stay on the event loop. A large one (a command string
 near :data:`~sandlot.policy.limits.MAX_ARG_BYTES`) takes up to a few hundred milliseconds of
 CPU: on the event loop that would stall every tenant's requests, even ``/healthz`` (issue 23).
-Large ones go to a thread, behind a limiter of their own, one at a time: a tenant sending many
-at once queues behind itself instead of filling anyio's shared worker pool (which the store and
-the receipts need) or taking the interpreter lock from every other thread at once.
+Large ones go to a thread of their own pool, one at a time per tenant: a tenant sending many
+at once queues behind itself, leaves other tenants a thread, and does not fill anyio's shared
+worker pool (which the store and the receipts need).
 
 This module imports :mod:`sandlot.models` and :mod:`sandlot.policy`; it must not import the
 store, backends or front ends.
@@ -29,12 +29,17 @@ __all__ = ["INLINE_BYTES", "Offload", "SyncEngine", "favour_the_event_loop", "we
 
 T = TypeVar("T")
 
-INLINE_BYTES: Final = 1024
-"""Text (command, argv, path) up to which an operation is read on the event loop: about a
-millisecond of normalizing in the worst shape (hundreds of one-letter commands), measured with
-``bench/policy.py``-style timing; beyond it the thread hop is the cheaper cost."""
+INLINE_BYTES: Final = 256
+"""Text (command, argv, path) up to which an operation is read on the event loop. Its worst
+shape, 128 one-letter commands (``a;a;…``), normalizes in ~1.3 ms on the shared CI host (a
+typical command, ``git status && make test 2>&1 | tee log``, in ~80 us); 1 KiB of that shape
+took ~10 ms, too long to hold the loop. Beyond this a ~50 us thread hop costs less than it
+saves."""
 
 
+THREADS: Final = 2
+"""Threads reading large operations at once, over all tenants (they share one interpreter
+lock, so more would only slow each other)."""
 SWITCH_INTERVAL: Final = 0.0005
 """Seconds a thread may hold the interpreter lock while another waits for it, in a server."""
 
@@ -88,19 +93,27 @@ def weight(args: Mapping[str, object]) -> int:
 
 @final
 class Offload:
-    """Runs the gate's CPU work for large operations on a thread, one operation at a time."""
+    """Runs the gate's CPU work for large operations on threads: one at a time per tenant, and
+    at most :data:`THREADS` at once, so one tenant's flood of large commands queues behind
+    itself and leaves another tenant a thread."""
 
     def __init__(self, inline_bytes: int = INLINE_BYTES) -> None:
         self.inline_bytes = inline_bytes
         # Made on first use: an anyio limiter belongs to the event loop that first uses it.
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._threads: anyio.CapacityLimiter | None = None
+        # One per tenant that ever sent a large operation: as many as there are API keys.
+        self._lanes: dict[str, anyio.Lock] = {}
 
     def inline(self, args: Mapping[str, object]) -> bool:
         """True when reading ``args`` is cheaper on the event loop than a thread hop."""
         return weight(args) <= self.inline_bytes
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on a worker thread, after the large operations before it."""
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(1)
-        return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+    async def run(self, fn: Callable[[], T], tenant: str = "") -> T:
+        """``fn()`` on a worker thread, after the tenant's large operations before it."""
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(THREADS)
+        lane = self._lanes.get(tenant)
+        if lane is None:
+            lane = self._lanes[tenant] = anyio.Lock()
+        async with lane:
+            return await anyio.to_thread.run_sync(fn, limiter=self._threads)
