@@ -91,6 +91,7 @@ from sandlot.models import (
     system_actor,
     utcnow,
 )
+from sandlot.policy import limits
 from sandlot.policy.normalize import normalize_path
 from sandlot.policy.request import Resource
 from sandlot.store.base import SandboxQuery
@@ -129,15 +130,22 @@ _CREATING = frozenset(
 
 
 def command_argv(command: Command | Sequence[str]) -> tuple[list[str], str | None, dict[str, str]]:
-    """A command as ``(argv, cwd, env)``: strings run under ``sh -c``, lists are an argv."""
+    """A command as ``(argv, cwd, env)``: strings run under ``sh -c``, lists are an argv.
+
+    Raises:
+        InvalidRequest: an empty argv, or a command over :mod:`sandlot.policy.limits`.
+    """
     if isinstance(command, str):
+        limits.check_command(command)
         return ["sh", "-c", command], None, {}
     if isinstance(command, CommandSpec):
+        limits.check_argv(command.argv())
         return command.argv(), command.cwd, dict(command.env)
     argv = list(command)
     if not argv:
         msg = "command: an empty argv"
         raise InvalidRequest(msg)
+    limits.check_argv(argv)
     return argv, None, {}
 
 
@@ -366,7 +374,9 @@ class Manager:
         sb = await self._current(sandbox_id, actor)
         workdir = cwd or spec_cwd or sb.spec.workdir
         shown = command if isinstance(command, str) else argv
-        return sb, argv, workdir, spec_env | dict(env or {}), shown
+        extra_env = spec_env | dict(env or {})
+        limits.check_env(extra_env)
+        return sb, argv, workdir, extra_env, shown
 
     async def _touch(self, sb: SandboxInfo) -> None:
         """Record activity (for idle timeouts), at most every :data:`TOUCH_EVERY` seconds."""
@@ -828,6 +838,9 @@ class Manager:
         )
         impl = self._backend(name)
         self._check_capabilities(impl, spec)
+        for step in (*spec.setup_steps(), spec.start, spec.resume):
+            if step is not None:
+                command_argv(step)  # its bounds, before anything is made
         await self._sweep_if_due()
         request: dict[str, JsonValue] = {"backend": name, "spec": spec.model_dump(mode="json")}
         begun = await self._begin_intent(actor, "sandbox.create", request, idempotency_key)

@@ -106,6 +106,7 @@ def serve(
     import uvicorn
 
     from sandlot.config import home as resolve_home
+    from sandlot.gate.offload import favour_the_event_loop
     from sandlot.sdk import AsyncSandlot
     from sandlot.server import ApiKeyStore, Quota, ServerConfig, create_app
     from sandlot.server.offer import offered
@@ -176,6 +177,7 @@ def serve(
             markup=False,
         )
         err.print(f"serving http://{shown}:{port} (MCP at /mcp); Ctrl-C stops")
+        favour_the_event_loop()
         try:
             await server.serve()
         finally:

@@ -32,6 +32,7 @@ import anyio.to_thread
 from sqlalchemy import Connection, Engine, and_, insert, select, update
 
 from sandlot.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, SandboxError
+from sandlot.gate.offload import Offload, SyncEngine
 from sandlot.gate.schema import approvals
 from sandlot.models import SYSTEM_PRINCIPAL, Actor, JsonValue, new_id
 from sandlot.policy import (
@@ -225,6 +226,7 @@ class Gate:
         self.on_deny = on_deny
         self.on_hold = on_hold
         self._writer = _ReceiptWriter(log)
+        self._offload = Offload()
 
     def request(
         self, actor: Actor, action: str, resource: Resource, args: Mapping[str, object]
@@ -238,7 +240,45 @@ class Gate:
         self, actor: Actor, action: str, resource: Resource, args: Mapping[str, object]
     ) -> Explanation:
         """What the policy would decide and why, without recording or running anything."""
-        return await self.engine.explain(self.request(actor, action, resource, args))
+        if self._offload.inline(args):
+            return await self.engine.explain(self.request(actor, action, resource, args))
+        engine = self.engine
+        if isinstance(engine, SyncEngine):
+            return await self._offload.run(
+                lambda: engine.explain_now(self.request(actor, action, resource, args)),
+                actor.tenant,
+            )
+        request = await self._offload.run(
+            lambda: self.request(actor, action, resource, args), actor.tenant
+        )
+        return await engine.explain(request)
+
+    async def _decide(
+        self, actor: Actor, action: str, resource: Resource, args: Mapping[str, object]
+    ) -> tuple[PolicyRequest, Decision, str]:
+        """The request, the engine's decision and the request's hash; for a large operation
+        the CPU work of all three runs off the event loop (see :mod:`sandlot.gate.offload`)."""
+        if self._offload.inline(args):
+            request = self.request(actor, action, resource, args)
+            decision = await self.engine.decide(request)
+            return request, decision, sha256_ref(canonical_json(request.canonical()))
+        engine = self.engine
+        if isinstance(engine, SyncEngine):
+
+            def work() -> tuple[PolicyRequest, Decision, str]:
+                request = self.request(actor, action, resource, args)
+                decision = engine.evaluate(request)
+                return request, decision, sha256_ref(canonical_json(request.canonical()))
+
+            return await self._offload.run(work, actor.tenant)
+        request = await self._offload.run(
+            lambda: self.request(actor, action, resource, args), actor.tenant
+        )
+        decision = await engine.decide(request)
+        digest = await self._offload.run(
+            lambda: sha256_ref(canonical_json(request.canonical())), actor.tenant
+        )
+        return request, decision, digest
 
     async def authorize(
         self,
@@ -255,9 +295,7 @@ class Gate:
             PolicyDenied: DENY, a denied HOLD or a HOLD that timed out.
             SandboxError: The decision could not be recorded (nothing may run).
         """
-        request = self.request(actor, action, resource, args)
-        decision = await self.engine.decide(request)
-        request_hash = sha256_ref(canonical_json(request.canonical()))
+        request, decision, request_hash = await self._decide(actor, action, resource, args)
         entry = decision_entry(
             op=action,
             request_hash=request_hash,

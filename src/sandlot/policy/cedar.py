@@ -77,7 +77,11 @@ from sandlot.policy.engine import (
 from sandlot.policy.request import ACTIONS, ContextKind, PolicyRequest, Principal, Resource
 from sandlot.policy.schema import CONTEXT_TYPES, context_fields, render_schema
 
-__all__ = ["DEFAULT_POLICY", "SCHEMA", "CedarEngine", "PolicyFile"]
+__all__ = ["DEFAULT_POLICY", "MAX_RAW_BYTES", "SCHEMA", "CedarEngine", "PolicyFile"]
+
+MAX_RAW_BYTES: Final = 4 << 20
+"""Most characters of ``context.raw`` one request sends Cedar in all (one copy per distinct
+command), when the policies read it."""
 
 SCHEMA: Final = render_schema()
 """The Cedar schema of sandlot's requests (rendered from :mod:`sandlot.policy.schema`)."""
@@ -486,6 +490,19 @@ class CedarEngine:
         except KeyError as e:
             msg = f"the {request.action} context lacks the attribute {e}"
             return self._fail(ReasonCode.SCHEMA_VIOLATION, msg, [msg], started), units, [], None
+        raw = request.context.get("raw")
+        if isinstance(raw, str) and len(contexts) > 1 and "raw" in contexts[0]:
+            # Every unit carries the whole string when a policy reads context.raw, and Cedar
+            # parses each copy: the cost grows with commands x length, inside one call that
+            # holds the interpreter lock. Past the budget the request is not decided.
+            size = len(raw) * len(contexts)
+            if size > MAX_RAW_BYTES:
+                msg = (
+                    f"the policies read context.raw, and this request gives Cedar {len(contexts)} "
+                    f"commands x {len(raw)} characters of it; the limit is {MAX_RAW_BYTES} "
+                    "(MAX_RAW_BYTES): run a script file instead"
+                )
+                return self._fail(ReasonCode.POLICY_ERROR, msg, [msg], started), units, [], None
         key = self._entity_key(request.principal, request.resource)
         try:
             entities = self._entities(key, request.principal, request.resource)

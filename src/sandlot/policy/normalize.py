@@ -31,7 +31,7 @@ from pydantic import JsonValue, ValidationError
 
 from sandlot.errors import InvalidRequest
 from sandlot.models import CommandSpec, NetworkAllowlist, SandboxSpec
-from sandlot.policy import shell
+from sandlot.policy import limits, shell
 from sandlot.policy.programs import ProgramSpec, spec_for
 from sandlot.policy.request import ACTIONS, ContextKind, PolicyRequest, Principal, Resource
 
@@ -121,6 +121,9 @@ _STREAM_DEVICES: Final = frozenset(
 _STREAM_PREFIXES: Final = ("/dev/fd/", "/dev/pts/")
 _NOT_DEVICE_PREFIXES: Final = ("/dev/shm/", "/dev/mqueue/")
 _NOT_DEVICE_DIRS: Final = frozenset({"/dev/shm", "/dev/mqueue", "/dev/fd", "/dev/pts"})
+_BRACE_WORDS: Final = 4096
+"""Words brace expansion may produce in one command string (each word may give 256): past it
+the string is ``too_complex``, so ``echo {a,b}{c,d}…`` repeated cannot multiply the gate's work."""
 
 
 def normalize_path(path: str, cwd: str = "/") -> str:
@@ -144,7 +147,13 @@ def normalize_path(path: str, cwd: str = "/") -> str:
 
 
 def ancestors(path: str) -> list[str]:
-    """``/a/b`` -> ``["/", "/a", "/a/b"]``: the path and every directory above it."""
+    """``/a/b`` -> ``["/", "/a", "/a/b"]``: the path and every directory above it.
+
+    Raises:
+        InvalidRequest: a path over :data:`~sandlot.policy.limits.MAX_PATH_BYTES` or
+            :data:`~sandlot.policy.limits.MAX_PATH_DEPTH` (the list grows with both).
+    """
+    limits.check_path(path, f"the path {path[:40]!r}…" if len(path) > 40 else f"the path {path!r}")
     if path == "/":
         return ["/"]
     out = ["/"]
@@ -249,6 +258,7 @@ class _State:
     features: set[str] = field(default_factory=set)
     commands: list[_Cmd] = field(default_factory=list)
     shell: bool = False
+    brace_words: int = 0
 
     def resolve(self, arg: _Arg, cwds: Sequence[str]) -> list[str]:
         """Absolute normal paths an argument names (one per possible working directory)."""
@@ -959,15 +969,21 @@ def _walk(
     via: tuple[str, ...],
 ) -> None:
     for node in body:
+        limits.check_command_count(len(st.commands))
         if isinstance(node, shell.Subshell):
             _walk(node.body, cwds, st, depth, via)
             continue
         words: list[_Arg] = []
         for w in node.words:
-            if "{" in w.text:
+            if "{" in w.text and st.brace_words >= _BRACE_WORDS:
+                # Past the budget a word is kept as written: what it names is then unknown.
+                st.features.add("too_complex")
+                words.append(_Arg.of(w))
+            elif "{" in w.text:
                 expanded = shell.expand_braces(w)
                 if len(expanded) > 1:
                     st.features.add("brace")
+                    st.brace_words += len(expanded)
                 words.extend(_Arg.of(x) for x in expanded)
             else:
                 words.append(_Arg.of(w))
@@ -1011,19 +1027,25 @@ def normalize_command(
         ``shell_undecidable``, ``shell_features``, ``raw``, ``argv``, ``cwd``, ``env``.
 
     Raises:
-        InvalidRequest: an empty argv, a relative ``cwd``, or a NUL byte.
+        InvalidRequest: an empty argv, a relative ``cwd``, a NUL byte, or a command, path or
+            environment over a bound of :mod:`sandlot.policy.limits` (checked before any
+            parsing).
     """
     env = dict(env or {})
     if isinstance(command, CommandSpec):
         cwd = command.cwd or cwd
         env |= command.env
         command = command.argv()
+    limits.check_command(command)
+    limits.check_env(env)
+    limits.check_path(cwd, "cwd")
     if not cwd.startswith("/"):
         msg = f"cwd must be an absolute path, got {cwd!r}"
         raise InvalidRequest(msg)
     cwd = normalize_path(cwd)
     home = env.get("HOME", home)
     if home is not None:
+        limits.check_path(home, "HOME")
         home = normalize_path(home, cwd)
     st = _State(home=home, env_names=frozenset(env))
     if isinstance(command, str):
@@ -1043,10 +1065,15 @@ def normalize_command(
         raw = shlex.join(argv)
     try:
         _run([_Arg.plain(a) for a in argv], [], (cwd,), st, 0, (), set())
+    except InvalidRequest:
+        raise
+    except shell.TooManyTokens:
+        limits.refuse_words()
     except Exception as e:
         # A command the gate cannot read is refused, never waved through.
         msg = f"the policy gate could not read this command ({type(e).__name__}: {e})"
         raise InvalidRequest(msg) from e
+    limits.check_command_count(len(st.commands))
     commands = [c.to_json() for c in st.commands]
     programs = {c.program for c in st.commands} | {v for c in st.commands for v in c.via}
     return {
@@ -1067,6 +1094,8 @@ def normalize_command(
 
 def _path_context(args: Mapping[str, object], *, mode: bool) -> dict[str, JsonValue]:
     path = args.get("path")
+    if isinstance(path, str):
+        limits.check_path(path)
     if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
         msg = f"path must be an absolute path, got {path!r}"
         raise InvalidRequest(msg)

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Final
 
 __all__ = [
+    "MAX_TOKENS",
     "UNDECIDABLE_FEATURES",
     "Redirect",
     "Script",
     "SimpleCommand",
     "Subshell",
+    "TooManyTokens",
     "Word",
     "expand_braces",
     "parse",
@@ -106,9 +108,16 @@ MAX_DEPTH: Final = 8
 """Nesting limit for ``$(...)`` inside ``sh -c`` inside ``eval``...; deeper is undecidable."""
 MAX_GROUP_DEPTH: Final = 64
 """Nesting limit for ``( ... )`` groups; deeper ones are read flat."""
+MAX_TOKENS: Final = 16_384
+"""Words and operators one string may have; past it :func:`parse` raises :class:`TooManyTokens`
+at once rather than read the rest (16 per simple command of the most the gate accepts)."""
 SCAN_BUDGET: Final = 400_000
 """Characters the look-ahead scans (matching ``)``, quotes, backticks) may read per string
 beyond the string itself; past it the string is ``too_complex``."""
+
+
+class TooManyTokens(ValueError):
+    """A string with more than :data:`MAX_TOKENS` words and operators."""
 
 
 @dataclass(slots=True)
@@ -131,6 +140,8 @@ class Word:
     @property
     def glob(self) -> bool:
         """True when an unquoted ``*``, ``?`` or ``[`` makes the word a pattern."""
+        if _GLOB_CHARS.isdisjoint(self.text):
+            return False
         return any(c in _GLOB_CHARS and m == "0" for c, m in zip(self.text, self.mask, strict=True))
 
     @property
@@ -551,6 +562,9 @@ class _Tokenizer:
         src = self.src
         word: _WordBuilder | None = None
         while self.i < self.n:
+            if len(self.tokens) > MAX_TOKENS:
+                msg = f"more than {MAX_TOKENS} words and operators"
+                raise TooManyTokens(msg)
             c = src[self.i]
             if c in " \t":
                 self._emit_word(word)
