@@ -134,7 +134,9 @@ class ServerConfig:
         max_upload_bytes: Largest request body (a file upload, a batch of files); more is 413.
         max_download_bytes: Largest file a download serves; more is 413 (never truncated).
         output_retention: Seconds a finished command's output stays for reconnecting clients.
-        output_max_bytes: Output kept per command for reconnecting clients.
+        output_max_bytes: Output kept per command for reconnecting clients (the newest bytes;
+            a result whose collected output is bigger is kept without it). Clients streaming
+            live get all of it.
         quota: Every tenant's quota unless ``tenant_quotas`` names it.
         tenant_quotas: Per-tenant quotas.
         admission_timeout: Seconds a request over quota waits for a slot before 429.
@@ -151,7 +153,7 @@ class ServerConfig:
     max_upload_bytes: int = 256 << 20
     max_download_bytes: int = 1 << 30
     output_retention: float = 300.0
-    output_max_bytes: int = 16 << 20
+    output_max_bytes: int = 4 << 20
     quota: Quota = field(default_factory=Quota)
     tenant_quotas: dict[str, Quota] = field(default_factory=dict)
     admission_timeout: float = 30.0
@@ -545,6 +547,7 @@ def create_app(
                 plane.tasks = tg
                 if cfg.sweep_interval:
                     tg.start_soon(_sweep, manager, cfg.sweep_interval)
+                tg.start_soon(output.run_upkeep)
                 try:
                     yield
                 finally:
