@@ -1460,13 +1460,17 @@ class ProcOutput(Stream):
         proc = self.proc
         sent = 0
         while self.cursor < proc.next_seq:
-            if self.cursor < proc.first_seq:
-                # Output we had not sent yet fell out of the ring while this reader waited.
-                self.cursor = proc.first_seq
-                self.event({"type": "seq", "seq": self.cursor})
-            chan, data = proc.chunk(self.cursor)
+            # Output we had not sent yet may have fallen out of the ring while this reader
+            # waited. The jump is told only with the chunk it lands on: a reader out of credit
+            # gets nothing, not an event for every chunk the process prints meanwhile (which
+            # made readers that never read cost the host as much as those that did).
+            cursor = max(self.cursor, proc.first_seq)
+            chan, data = proc.chunk(cursor)
             if not self.can_send(len(data)):
                 return
+            if cursor != self.cursor:
+                self.cursor = cursor
+                self.event({"type": "seq", "seq": cursor})
             self.data(chan, data)
             self.cursor += 1
             sent += 1

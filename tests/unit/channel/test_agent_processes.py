@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from sandlot.channel.client import AgentChannel, connect_unix
+from sandlot.channel.protocol import MAX_DATA, WINDOW, FrameType
 from sandlot.errors import Conflict, InvalidState, NotFound, SandboxTimeout
 from sandlot.models import OutputChunk
 
@@ -195,3 +196,25 @@ async def test_input_the_program_read_before_exiting_is_not_an_error(
     # Input that can no longer be delivered is still refused.
     with pytest.raises(InvalidState, match="closed"):
         await channel.write_stdin(info.id, b"late\n")
+
+
+async def test_a_follower_out_of_credit_is_sent_nothing_while_the_process_floods(
+    channel: AgentChannel,
+) -> None:
+    # A follower that never reads used to get a `seq` event for every chunk the process
+    # printed once it had fallen out of the ring: a flood the host decoded for nobody.
+    info = await channel.start_process(["yes", "flood"])
+    conn = channel._conn
+    st = await conn.open({"op": "proc.output", "id": info.id, "offset": 0, "follow": True})
+    try:
+        deadline = anyio.current_time() + 2
+        while anyio.current_time() < deadline:  # other calls keep the connection read
+            await channel.list_processes()
+            await anyio.sleep(0.05)
+        events = [i for i in st.items if i[0] == FrameType.EVENT]
+        data = sum(len(i[2]) for i in st.items if i[0] == FrameType.DATA)
+        assert len(events) <= 2, events[:5]
+        assert data <= WINDOW + MAX_DATA  # within the window it was granted
+    finally:
+        await conn.cancel(st)
+        await channel.signal_process(info.id, signal.SIGKILL)
