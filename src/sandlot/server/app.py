@@ -75,6 +75,7 @@ from sandlot.models import (
     SnapshotInfo,
     new_id,
 )
+from sandlot.server.follow import ProcessFollowers
 from sandlot.server.keys import ApiKeyStore
 from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
 from sandlot.server.outputlog import ExecOutcome, ExecOutputLog, MemoryExecOutputLog
@@ -137,6 +138,10 @@ class ServerConfig:
         output_max_bytes: Output kept per command for reconnecting clients (the newest bytes;
             a result whose collected output is bigger is kept without it). Clients streaming
             live get all of it.
+        follow_buffer_bytes: Output (as sent) a process's follower may have waiting; a
+            follower further behind is dropped with a ``dropped`` event and resumes from there.
+        follow_rate_bytes: Bytes per second of events sent to one tenant's followers of
+            process output, all of them together (None: no limit).
         quota: Every tenant's quota unless ``tenant_quotas`` names it.
         tenant_quotas: Per-tenant quotas.
         admission_timeout: Seconds a request over quota waits for a slot before 429.
@@ -154,6 +159,8 @@ class ServerConfig:
     max_download_bytes: int = 1 << 30
     output_retention: float = 300.0
     output_max_bytes: int = 4 << 20
+    follow_buffer_bytes: int = 1 << 20
+    follow_rate_bytes: int | None = 8 << 20
     quota: Quota = field(default_factory=Quota)
     tenant_quotas: dict[str, Quota] = field(default_factory=dict)
     admission_timeout: float = 30.0
@@ -212,6 +219,13 @@ class _Plane:
         self.jobs: dict[str, _Job] = {}
         """Streamed jobs running in this process, by exec id."""
         self.tasks: anyio.abc.TaskGroup | None = None
+        self.followers = ProcessFollowers(
+            manager,
+            self.spawn,
+            buffer_bytes=config.follow_buffer_bytes,
+            rate=config.follow_rate_bytes,
+            keepalive=_KEEPALIVE,
+        )
 
     async def _live(self, tenant: str) -> int:
         limit = self.config.quota_for(tenant).max_live_sandboxes
@@ -1080,7 +1094,10 @@ def _routes(app: FastAPI) -> None:
         # Checked before the stream starts, so a foreign or unknown id is a plain 404.
         await plane.manager.get(sandbox_id, actor=actor)
         return StreamingResponse(
-            _process_events(plane, sandbox_id, process_id, actor, start, follow),
+            # Followers share one reader of the process (sandlot.server.follow).
+            plane.followers.events(sandbox_id, process_id, actor, start)
+            if follow
+            else _process_events(plane, sandbox_id, process_id, actor, start, follow),
             media_type="text/event-stream",
             headers=_SSE_HEADERS,
         )
