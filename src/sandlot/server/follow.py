@@ -160,9 +160,10 @@ class ProcessFollowers:
         fresh = feed is None or feed.done
         if feed is None or feed.done:
             feed = _Feed(key, next_seq=offset)
-            self._feeds[key] = feed
             start = offset
             self.spawn(lambda: self._run(feed, sandbox_id, process_id, actor, start))
+            # Registered only once spawned: a feed that never ran would keep followers waiting.
+            self._feeds[key] = feed
         feed.followers.add(me)
         feed.room.set()  # a feed that waited for its followers to make room has a new one
         cursor = offset
