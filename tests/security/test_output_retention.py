@@ -76,6 +76,7 @@ def test_large_outputs_do_not_grow_the_database_past_the_cap(tmp_path: Path) -> 
             assert streamed == size
             assert result["stdout"] == "x" * size
         grown = _db_bytes(tmp_path) - before
+        http.delete(f"/v1/sandboxes/{sid}")
     # What is kept, plus SQLite's slack (page headers, free pages, an uncheckpointed WAL);
     # before the cap every run added its output twice, 16 MiB: 114 MiB here.
     kept = runs * 4 * MIB
@@ -97,3 +98,4 @@ def test_a_reconnect_after_the_retention_is_told_the_output_expired(tmp_path: Pa
         assert late.status_code in (404, 410), late.text
         assert late.json()["code"] in ("not_found", "output_expired")
         assert "no longer kept" in late.json()["detail"] or "expired" in late.json()["detail"]
+        http.delete(f"/v1/sandboxes/{sid}")
