@@ -1450,6 +1450,9 @@ class ProcOutput(Stream):
         self.proc = proc
         self.follow = follow
         self.cursor = min(max(offset, proc.first_seq), proc.next_seq)
+        # A one-shot read is of the output there is now: were it to chase the end, a process
+        # printing faster than the reader reads would keep it going for ever.
+        self.end = proc.next_seq
         self.event({"type": "seq", "seq": self.cursor})
         proc.subs.add(self)
         self.pump()
@@ -1459,14 +1462,21 @@ class ProcOutput(Stream):
             return
         proc = self.proc
         sent = 0
-        while self.cursor < proc.next_seq:
-            if self.cursor < proc.first_seq:
-                # Output we had not sent yet fell out of the ring while this reader waited.
-                self.cursor = proc.first_seq
-                self.event({"type": "seq", "seq": self.cursor})
-            chan, data = proc.chunk(self.cursor)
+        while self.cursor < (proc.next_seq if self.follow else self.end):
+            # Output we had not sent yet may have fallen out of the ring while this reader
+            # waited. The jump is told only with the chunk it lands on: a reader out of credit
+            # gets nothing, not an event for every chunk the process prints meanwhile (which
+            # made readers that never read cost the host as much as those that did).
+            cursor = max(self.cursor, proc.first_seq)
+            if not self.follow and cursor >= self.end:
+                self.cursor = cursor  # all it was to read fell out of the ring meanwhile
+                break
+            chan, data = proc.chunk(cursor)
             if not self.can_send(len(data)):
                 return
+            if cursor != self.cursor:
+                self.cursor = cursor
+                self.event({"type": "seq", "seq": cursor})
             self.data(chan, data)
             self.cursor += 1
             sent += 1

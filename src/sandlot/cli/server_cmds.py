@@ -86,6 +86,14 @@ def serve(
             "--output-retention", min=0, help="Seconds command output stays for reconnects."
         ),
     ] = 300.0,
+    output_max_mb: Annotated[
+        float,
+        typer.Option(
+            "--output-max-mb",
+            min=0.001,
+            help="Output kept per command for reconnects (MiB; live streams get all of it).",
+        ),
+    ] = 4.0,
     public_metrics: Annotated[
         bool, typer.Option("--public-metrics", help="Serve /metrics without a key.")
     ] = False,
@@ -115,6 +123,7 @@ def serve(
         max_upload_bytes=max_upload_mb << 20,
         max_download_bytes=max_download_mb << 20,
         output_retention=output_retention,
+        output_max_bytes=int(output_max_mb * (1 << 20)),
         quota=Quota(
             max_live_sandboxes=max_sandboxes,
             max_concurrent_execs=max_execs,
@@ -147,7 +156,9 @@ def serve(
         engine = sdk.manager.store.engine  # type: ignore[attr-defined]
         # Command output lives in the database, so a client reconnecting after a restart
         # gets the rest (or "outcome unknown" for a command that died with the server).
-        output = DatabaseExecOutputLog(engine)
+        output = DatabaseExecOutputLog(
+            engine, retention=config.output_retention, max_bytes=config.output_max_bytes
+        )
         # After a crash: runs that died with the last server are marked unknown, intents
         # whose worker died are settled, then records are synced with the backends.
         abandoned = await output.mark_unknown_abandoned()

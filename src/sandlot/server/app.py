@@ -77,6 +77,7 @@ from sandlot.models import (
     new_id,
 )
 from sandlot.server.docs_gate import DocsGate
+from sandlot.server.follow import ProcessFollowers
 from sandlot.server.keys import ApiKeyStore
 from sandlot.server.metrics import CONTENT_TYPE, ServerMetrics
 from sandlot.server.offer import check_offered, offered
@@ -141,7 +142,13 @@ class ServerConfig:
         max_upload_bytes: Largest request body (a file upload, a batch of files); more is 413.
         max_download_bytes: Largest file a download serves; more is 413 (never truncated).
         output_retention: Seconds a finished command's output stays for reconnecting clients.
-        output_max_bytes: Output kept per command for reconnecting clients.
+        output_max_bytes: Output kept per command for reconnecting clients (the newest bytes;
+            a result whose collected output is bigger is kept without it). Clients streaming
+            live get all of it.
+        follow_buffer_bytes: Output (as sent) a process's follower may have waiting; a
+            follower further behind is dropped with a ``dropped`` event and resumes from there.
+        follow_rate_bytes: Bytes per second of events sent to one tenant's followers of
+            process output, all of them together (None: no limit).
         quota: Every tenant's quota unless ``tenant_quotas`` names it.
         tenant_quotas: Per-tenant quotas.
         admission_timeout: Seconds a request over quota waits for a slot before 429.
@@ -164,7 +171,9 @@ class ServerConfig:
     max_upload_bytes: int = 256 << 20
     max_download_bytes: int = 1 << 30
     output_retention: float = 300.0
-    output_max_bytes: int = 16 << 20
+    output_max_bytes: int = 4 << 20
+    follow_buffer_bytes: int = 1 << 20
+    follow_rate_bytes: int | None = 8 << 20
     quota: Quota = field(default_factory=Quota)
     tenant_quotas: dict[str, Quota] = field(default_factory=dict)
     admission_timeout: float = 30.0
@@ -240,6 +249,13 @@ class _Plane:
         self.jobs: dict[str, _Job] = {}
         """Streamed jobs running in this process, by exec id."""
         self.tasks: anyio.abc.TaskGroup | None = None
+        self.followers = ProcessFollowers(
+            manager,
+            self.spawn,
+            buffer_bytes=config.follow_buffer_bytes,
+            rate=config.follow_rate_bytes,
+            keepalive=_KEEPALIVE,
+        )
 
     async def _live(self, tenant: str) -> int:
         limit = self.config.quota_for(tenant).max_live_sandboxes
@@ -595,6 +611,7 @@ def create_app(
                 tg.start_soon(plane.sessions.watch)
                 if cfg.sweep_interval:
                     tg.start_soon(_sweep, manager, cfg.sweep_interval)
+                tg.start_soon(output.run_upkeep)
                 try:
                     yield
                 finally:
@@ -1150,7 +1167,10 @@ def _routes(app: FastAPI) -> None:
         # Checked before the stream starts, so a foreign or unknown id is a plain 404.
         await plane.manager.get(sandbox_id, actor=actor)
         return StreamingResponse(
-            _process_events(plane, sandbox_id, process_id, actor, start, follow),
+            # Followers share one reader of the process (sandlot.server.follow).
+            plane.followers.events(sandbox_id, process_id, actor, start)
+            if follow
+            else _process_events(plane, sandbox_id, process_id, actor, start, follow),
             media_type="text/event-stream",
             headers=_SSE_HEADERS,
         )

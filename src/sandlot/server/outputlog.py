@@ -6,6 +6,11 @@ reader asks for what came *after* the last sequence number it saw, so a reconnec
 ``Last-Event-ID`` gets the rest with no loss and no duplicate. Output stays for ``retention``
 seconds after the command ends, and at most ``max_bytes`` per command (older chunks are
 dropped first; a reader that needs a dropped chunk gets a clear error, never a silent gap).
+The same cap holds for the outcome: a result whose collected ``stdout``/``stderr`` are over
+``max_bytes`` is kept without them, and a reader that comes for it later than the few seconds
+this process holds the whole result gets ``output_expired`` (with the exit code), never a result
+with its output silently cut. Past ``retention`` a read is ``output_expired`` (410) until the
+sweep (:meth:`ExecOutputLog.run_upkeep`) deletes the command, then ``not_found`` (404).
 
 :class:`ExecOutputLog` is the seam: :class:`MemoryExecOutputLog` serves one server process;
 :class:`DatabaseExecOutputLog` keeps output in the database (the journal's ``exec_runs`` and
@@ -101,6 +106,10 @@ class ExecOutputLog(Protocol):
         """
         ...
 
+    async def run_upkeep(self) -> None:
+        """Delete expired output now and then, until cancelled (the server runs it)."""
+        ...
+
 
 @dataclass
 class _Entry:
@@ -159,6 +168,12 @@ class MemoryExecOutputLog:
         entry.changed.set()
         entry.changed = anyio.Event()
 
+    async def run_upkeep(self) -> None:
+        """Forget expired commands now and then, until cancelled."""
+        while True:
+            await anyio.sleep(_upkeep_interval(self.retention))
+            self._expire()
+
     async def open(self, exec_id: str, *, tenant: str, sandbox_id: str) -> None:
         """Start the output of a new command."""
         self._expire()
@@ -185,6 +200,7 @@ class MemoryExecOutputLog:
 
     async def read(self, exec_id: str, *, tenant: str, after: int, wait: float) -> ExecOutputPage:
         """Chunks with ``seq > after``, waiting up to ``wait`` seconds for the first."""
+        self._expire()
         entry = self._get(exec_id, tenant)
         with anyio.move_on_after(wait):
             while not self._ready(entry, after):
@@ -266,7 +282,10 @@ class DatabaseExecOutputLog:
         self._flush_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._last_sweep = 0.0
+        # Whole outcomes of commands whose collected output was too big to store, for the
+        # readers in this process that come for them within _HOLD seconds (the client that
+        # started the command, in the normal course): by exec id, (until, outcome, size).
+        self._recent: dict[str, tuple[float, ExecOutcome, int]] = {}
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -274,10 +293,6 @@ class DatabaseExecOutputLog:
         self, exec_id: str, *, tenant: str, sandbox_id: str, intent_id: str | None = None
     ) -> None:
         """Start the output of a new command (written at once: readers anywhere can find it)."""
-        now = time.monotonic()
-        if now - self._last_sweep > self.retention / 4:
-            self._last_sweep = now
-            await anyio.to_thread.run_sync(self.sweep)
         await anyio.to_thread.run_sync(
             lambda: self.runs.open(
                 exec_id, tenant=tenant, sandbox_id=sandbox_id, intent_id=intent_id
@@ -318,8 +333,10 @@ class DatabaseExecOutputLog:
         if live is None:
             msg = f"no exec {exec_id!r} streaming in this process"
             raise NotFound(msg, exec_id=exec_id)
-        result = cast("dict[str, JsonValue] | None", outcome.result)
-        error = cast("dict[str, JsonValue] | None", outcome.error)
+        result, dropped = _without_big_output(outcome.result, self.max_bytes)
+        error, dropped_too = _without_big_output(outcome.error, self.max_bytes)
+        if dropped or dropped_too:
+            self._hold(exec_id, outcome, dropped + dropped_too)
 
         def write() -> None:
             with self._flush_lock:
@@ -403,6 +420,27 @@ class DatabaseExecOutputLog:
         live.changed.set()
         live.changed = anyio.Event()
 
+    def _hold(self, exec_id: str, outcome: ExecOutcome, size: int) -> None:
+        now = time.monotonic()
+        self._recent[exec_id] = (now + _HOLD, outcome, size)
+        # Oldest first (dicts keep insertion order); the newest is always held.
+        budget = 4 * self.max_bytes
+        total = sum(size for _, _, size in self._recent.values())
+        for key, (until, _, size) in list(self._recent.items()):
+            if key == exec_id or (until > now and total <= budget):
+                continue
+            del self._recent[key]
+            total -= size
+
+    def _held(self, exec_id: str) -> ExecOutcome | None:
+        held = self._recent.get(exec_id)
+        if held is None:
+            return None
+        if held[0] <= time.monotonic():
+            del self._recent[exec_id]
+            return None
+        return held[1]
+
     # -- reading --------------------------------------------------------------------------------
 
     def _memory(self, exec_id: str, after: int) -> list[OutputRecord]:
@@ -430,9 +468,32 @@ class DatabaseExecOutputLog:
         chunks = _contiguous(sorted(merged.values(), key=lambda c: c.seq), after)
         last = chunks[-1].seq if chunks else after
         run = page.run
+        held = self._held(exec_id)
+        if (
+            held is None
+            and run.finished_at is not None
+            and time.time() - run.finished_at >= self.retention
+        ):
+            msg = (
+                f"the output of exec {exec_id} has expired: the server keeps it "
+                f"{self.retention:g} s after a command ends"
+            )
+            raise OutputExpired(msg, exec_id=exec_id, retention=self.retention)
         outcome = None
         ended = run.state != "running" and run.chunk_count is not None
         if ended and last + 1 >= (run.chunk_count or 0):
+            if held is not None:
+                return ExecOutputPage(chunks=chunks, outcome=held)
+            for doc in (run.result, run.error):
+                dropped = doc.get(_DROPPED) if doc is not None else None
+                if dropped is not None:
+                    msg = (
+                        f"exec {exec_id} ended, but its collected output ({dropped} bytes) "
+                        f"was over the {self.max_bytes} bytes the server keeps per command "
+                        "for reconnects, so its outcome is not served again"
+                    )
+                    exit_code = run.exit_code
+                    raise OutputExpired(msg, exec_id=exec_id, exit_code=exit_code)
             outcome = ExecOutcome(
                 result=cast("dict[str, object] | None", run.result),
                 error=cast("dict[str, object] | None", run.error),
@@ -462,6 +523,12 @@ class DatabaseExecOutputLog:
 
     # -- upkeep ---------------------------------------------------------------------------------
 
+    async def run_upkeep(self) -> None:
+        """Sweep expired commands now and then, until cancelled (the server runs it)."""
+        while True:
+            await anyio.sleep(_upkeep_interval(self.retention))
+            await anyio.to_thread.run_sync(self.sweep)
+
     def sweep(self) -> int:
         """Delete commands that finished more than ``retention`` seconds ago; how many."""
         try:
@@ -490,6 +557,36 @@ class DatabaseExecOutputLog:
         return await anyio.to_thread.run_sync(
             lambda: self.runs.mark_unknown_abandoned(error, owner_alive=owner_alive)
         )
+
+
+_HOLD = 30.0
+"""Seconds this process holds a whole outcome whose collected output it did not store."""
+
+_DROPPED = "sandlot_output_dropped"
+"""Key in a stored result (or error) whose collected output was left out: how many bytes."""
+
+
+def _upkeep_interval(retention: float) -> float:
+    """Seconds between sweeps: a fraction of the retention, within sane bounds."""
+    return min(max(retention / 4, 0.25), 60.0)
+
+
+def _without_big_output(
+    doc: dict[str, object] | None, limit: int
+) -> tuple[dict[str, JsonValue] | None, int]:
+    """``doc`` (a result, or a problem carrying one) to store: without its collected output
+    when that is over ``limit`` bytes; and how many bytes were left out (0: none)."""
+    if doc is None:
+        return None, 0
+    stored = cast("dict[str, JsonValue]", doc)
+    nested = stored.get("result")
+    holder = nested if isinstance(nested, dict) else stored
+    size = sum(len(v.encode()) for k in ("stdout", "stderr") if isinstance(v := holder.get(k), str))
+    if size <= limit:
+        return stored, 0
+    slim = {**holder, "stdout": "", "stderr": ""}
+    stored = {**stored, "result": slim} if holder is nested else slim
+    return {**stored, _DROPPED: size}, size
 
 
 def _contiguous(chunks: list[OutputRecord], after: int) -> list[OutputRecord]:

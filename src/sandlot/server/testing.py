@@ -182,7 +182,11 @@ class ServerThread:
         if self.durable_output:
             from sandlot.server.outputlog import DatabaseExecOutputLog
 
-            output = DatabaseExecOutputLog(sdk.manager.store.engine)  # type: ignore[attr-defined]
+            output = DatabaseExecOutputLog(
+                sdk.manager.store.engine,  # type: ignore[attr-defined]
+                retention=self.config.output_retention,
+                max_bytes=self.config.output_max_bytes,
+            )
         app = create_app(sdk.manager, keys, self.config, output_log=output)
         self.app = app
         config = uvicorn.Config(

@@ -19,7 +19,9 @@ with ``Last-Event-ID: N`` replays from chunk ``N + 1``.
 
 A background process's output (``GET …/processes/{process_id}/output``) is the same ``output``
 events, numbered by the process's own chunk sequence (so ``Last-Event-ID: N`` resumes at chunk
-``N + 1``), then ``event: end data: {"next_offset": n}`` (or an ``error`` event).
+``N + 1``), then ``event: end data: {"next_offset": n}`` (or an ``error`` event). A
+``follow=true`` stream that fell too far behind the output ends instead with
+``event: dropped data: {"next_offset": n, "buffer_bytes": …, "detail": …}``: resume at ``n``.
 
 A terminal is a WebSocket, ``GET /v1/sandboxes/{id}/pty`` with the usual ``Authorization``
 header and the program in the query: ``command`` (a string run under ``sh -c``) or repeated

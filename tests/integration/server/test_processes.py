@@ -68,6 +68,34 @@ async def test_output_stdin_follow_and_offsets(api: Api) -> None:
         await sb.write_stdin(cat.id, b"too late")
 
 
+async def test_followers_each_get_all_the_output_in_order(api: Api) -> None:
+    # Over HTTP the followers of a process share one reader; each still gets every chunk,
+    # numbered as the process numbers them, also one that joins late from an earlier offset.
+    client, _ = api
+    sb = await client.create()
+    cat = await sb.start_process("cat")
+    await sb.write_stdin(cat.id, b"one\n")
+    got: dict[str, list[tuple[int, bytes]]] = {}
+
+    async def follow(name: str, offset: int) -> None:
+        got[name] = [
+            (c.seq, c.data) async for c in sb.process_output(cat.id, offset=offset, follow=True)
+        ]
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow, "first", 0)
+            tg.start_soon(follow, "second", 0)
+            await anyio.sleep(0.2)
+            await sb.write_stdin(cat.id, b"two\n")
+            await anyio.sleep(0.2)
+            tg.start_soon(follow, "late", 1)
+            await anyio.sleep(0.2)
+            await sb.write_stdin(cat.id, b"three\n", close=True)
+    everything = [(0, b"one\n"), (1, b"two\n"), (2, b"three\n")]
+    assert got == {"first": everything, "second": everything, "late": everything[1:]}
+
+
 async def test_errors_cross_as_the_same_classes(api: Api) -> None:
     client, _ = api
     sb = await client.create()

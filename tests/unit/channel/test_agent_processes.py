@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from sandlot.channel.client import AgentChannel, connect_unix
+from sandlot.channel.protocol import MAX_DATA, WINDOW, FrameType
 from sandlot.errors import Conflict, InvalidState, NotFound, SandboxTimeout
 from sandlot.models import OutputChunk
 
@@ -195,3 +196,43 @@ async def test_input_the_program_read_before_exiting_is_not_an_error(
     # Input that can no longer be delivered is still refused.
     with pytest.raises(InvalidState, match="closed"):
         await channel.write_stdin(info.id, b"late\n")
+
+
+async def test_a_follower_out_of_credit_is_sent_nothing_while_the_process_floods(
+    channel: AgentChannel,
+) -> None:
+    # A follower that never reads used to get a `seq` event for every chunk the process
+    # printed once it had fallen out of the ring: a flood the host decoded for nobody.
+    info = await channel.start_process(["yes", "flood"])
+    conn = channel._conn
+    st = await conn.open({"op": "proc.output", "id": info.id, "offset": 0, "follow": True})
+    try:
+        deadline = anyio.current_time() + 2
+        while anyio.current_time() < deadline:  # other calls keep the connection read
+            await channel.list_processes()
+            await anyio.sleep(0.05)
+        events = [i for i in st.items if i[0] == FrameType.EVENT]
+        data = [i[2] for i in st.items if i[0] == FrameType.DATA]
+        # The first event says where it starts; any other comes with the chunk it jumps to.
+        assert len(events) <= 1 + len(data), events[:5]
+        assert sum(map(len, data)) <= WINDOW + MAX_DATA  # within the window it was granted
+    finally:
+        await conn.cancel(st)
+        await channel.signal_process(info.id, signal.SIGKILL)
+
+
+async def test_a_one_shot_read_of_a_flooding_process_ends(channel: AgentChannel) -> None:
+    # It reads the output there is when asked: chasing the end of a process that prints faster
+    # than the reader reads never ended (a host reading slowly read for ever).
+    info = await channel.start_process(["yes", "flood"])
+    try:
+        await anyio.sleep(0.5)  # a full ring
+        with anyio.fail_after(30):
+            chunks = []
+            async for chunk in channel.process_output(info.id, offset=0):
+                chunks.append(chunk)
+                await anyio.sleep(0.01)  # slower than `yes`
+        assert chunks
+        assert [c.seq for c in chunks] == list(range(chunks[0].seq, chunks[0].seq + len(chunks)))
+    finally:
+        await channel.signal_process(info.id, signal.SIGKILL)

@@ -217,6 +217,50 @@ async def test_retention_sweeps_finished_runs(engine: Engine) -> None:
     await log.aclose()
 
 
+async def test_a_read_past_the_retention_is_expired_then_not_found(engine: Engine) -> None:
+    log = DatabaseExecOutputLog(engine, retention=0.2)
+    await log.open("e1", tenant="t", sandbox_id="sb")
+    await log.append("e1", "stdout", b"hi")
+    await log.finish("e1", OK)
+    assert (await log.read("e1", tenant="t", after=-1, wait=0)).outcome == OK
+    await anyio.sleep(0.3)
+    with pytest.raises(OutputExpired, match="expired"):  # not swept yet: still 410, not served
+        await log.read("e1", tenant="t", after=-1, wait=0)
+    with anyio.move_on_after(1):  # the upkeep the server runs sweeps it
+        await log.run_upkeep()
+    with pytest.raises(NotFound):
+        await log.read("e1", tenant="t", after=-1, wait=0)
+    await log.aclose()
+
+
+async def test_a_result_with_output_over_the_cap_is_not_served_cut(
+    engine: Engine, db_url: str
+) -> None:
+    log = DatabaseExecOutputLog(engine, max_bytes=12, flush_interval=0.02)
+    big = {"exit_code": 3, "stdout": "x" * 10, "stderr": "y" * 10}
+    await log.open("e1", tenant="t", sandbox_id="sb")
+    await log.append("e1", "stdout", b"x" * 10)
+    await log.append("e1", "stderr", b"y" * 10)
+    await log.finish("e1", ExecOutcome(result=big))
+    # The client of this server, reading its stream to the end, gets the whole result.
+    live = await log.read("e1", tenant="t", after=0, wait=0)
+    assert live.outcome == ExecOutcome(result=big)
+    # A reader elsewhere (or later) is told the outcome was not kept, with its exit code.
+    other_engine = open_engine(db_url)
+    other = DatabaseExecOutputLog(other_engine)
+    try:
+        with pytest.raises(OutputExpired, match="20 bytes") as err:
+            await other.read("e1", tenant="t", after=0, wait=0)
+        assert err.value.details["exit_code"] == 3
+    finally:
+        await other.aclose()
+        other_engine.dispose()
+        await log.aclose()
+    stored = ExecRuns(engine, owner="x").get("e1").result
+    assert stored is not None
+    assert (stored["stdout"], stored["stderr"]) == ("", "")
+
+
 SERVER = textwrap.dedent(
     """
     import asyncio, sys
