@@ -2233,27 +2233,20 @@ def op_file_stat(sess: Session, sid: int, req: JsonObj) -> JsonObj:
 def op_file_list(sess: Session, sid: int, req: JsonObj) -> JsonObj:
     path = req_path(req)
     base = path if path.endswith("/") else path + "/"
+    # With nofollow the directory is opened one component at a time, no link followed.
+    dfd = open_dir_nofollow(path, _path_parts(path)) if req.get("nofollow") else None
     entries = []
-    if req.get("nofollow"):
-        dfd = open_dir_nofollow(path, _path_parts(path))
-        try:
-            with os.scandir(dfd) as it:
-                for entry in it:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    entries.append(file_info(base + entry.name, st))
-        finally:
+    try:
+        with os.scandir(path if dfd is None else dfd) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                entries.append(file_info(base + entry.name, st))
+    finally:
+        if dfd is not None:
             os.close(dfd)
-        return _send_entries(sess, sid, entries)
-    with os.scandir(path) as it:
-        for entry in it:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            entries.append(file_info(base + entry.name, st))
     return _send_entries(sess, sid, entries)
 
 
