@@ -118,21 +118,34 @@ def _ioctl_checked(fd: int, request: int, buf: ctypes.Array[ctypes.c_char]) -> N
         raise OSError(e, os.strerror(e))
 
 
-def _read_cstring(mem: int, addr: int, limit: int) -> bytes:
-    out = bytearray()
-    while len(out) < limit:
-        # Stay inside the page so that a string ending just before unmapped memory reads.
-        chunk = min(4096 - (addr % 4096), limit - len(out))
-        data = os.pread(mem, chunk, addr)
-        if not data:
-            raise OSError(errno.EFAULT, "unreadable string")
-        end = data.find(b"\0")
-        if end >= 0:
-            out += data[:end]
-            return bytes(out)
-        out += data
-        addr += len(data)
-    raise OSError(errno.E2BIG, "string too long")
+class _Memory:
+    """Another process's memory by whole pages, each read once: argv strings usually sit
+    side by side, so one ``pread`` serves several."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pages: dict[int, bytes] = {}
+
+    def page(self, addr: int) -> bytes:
+        base = addr - addr % 4096
+        data = self.pages.get(base)
+        if data is None:
+            data = self.pages[base] = os.pread(self.fd, 4096, base)
+        return data[addr - base :]
+
+    def cstring(self, addr: int, limit: int) -> bytes:
+        out = bytearray()
+        while len(out) < limit:
+            data = self.page(addr)[: limit - len(out)]
+            if not data:
+                raise OSError(errno.EFAULT, "unreadable string")
+            end = data.find(b"\0")
+            if end >= 0:
+                out += data[:end]
+                return bytes(out)
+            out += data
+            addr += len(data)
+        raise OSError(errno.E2BIG, "string too long")
 
 
 def _decode(raw: bytes) -> str:
@@ -151,36 +164,31 @@ def read_exec_call(pid: int, nr: int, arch: int, args: tuple[int, ...]) -> ExecC
     width, path_at, argv_at, is_at = shape
     mask = (1 << (8 * width)) - 1
     budget = MAX_BYTES
-    mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        raw_path = _read_cstring(mem, args[path_at] & mask, budget)
+        mem = _Memory(fd)
+        raw_path = mem.cstring(args[path_at] & mask, budget)
         budget -= len(raw_path) + 1
         argv: list[str] = []
         slot = args[argv_at] & mask
         pointer = "=Q" if width == 8 else "=I"
-        pointers: list[int] = []
         while slot:  # a NULL argv is an empty one (Linux accepts it)
-            if not pointers:
-                # The rest of the page's pointers in one read: one pread, not one per argument.
-                data = os.pread(mem, min(4096 - slot % 4096, 64 * width), slot)
-                if len(data) < width:
-                    raise OSError(errno.EFAULT, "unreadable argv")
-                pointers = [
-                    p for (p,) in struct.iter_unpack(pointer, data[: len(data) // width * width])
-                ]
-                pointers.reverse()
-            ptr = pointers.pop()
-            if ptr == 0:
-                break
             if len(argv) >= MAX_ARGS:
                 raise OSError(errno.E2BIG, "argv too long")
-            arg = _read_cstring(mem, ptr, budget)
+            data = mem.page(slot)[:width]
+            if len(data) != width:
+                raise OSError(errno.EFAULT, "unreadable argv")
+            (ptr,) = struct.unpack(pointer, data)
+            if ptr == 0:
+                break
+            arg = mem.cstring(ptr, budget)
             budget -= len(arg) + 1
             argv.append(_decode(arg))
             slot += width
     finally:
-        os.close(mem)
-    cwd = str(Path(f"/proc/{pid}/cwd").readlink())
+        os.close(fd)
+    # os.readlink: Path.readlink costs five times as much, on the path every exec waits on.
+    cwd = os.readlink(f"/proc/{pid}/cwd")  # noqa: PTH115
     path = _decode(raw_path)
     if is_at:
         dirfd = ctypes.c_int32(args[0] & 0xFFFFFFFF).value
