@@ -169,3 +169,24 @@ def test_shares_memory() -> None:
             p.kill()
             p.wait()
         threaded.stdout.close()
+
+
+def test_programs_fail_closed_once_the_gate_is_gone(tmp_path: Path) -> None:
+    g = ExecGate(tmp_path / "l.sock", lambda call: True)
+    code = "import os, sys, time; sys.stdin.read(); os.execvp('true', ['true'])"
+    child = subprocess.Popen(
+        [sys.executable, str(STANDIN), g.listener_path, sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while g.decided < 1:  # python3 itself started: the filter is live
+            threading.Event().wait(0.01)
+        g.close()
+        _, err = child.communicate("", timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode != 0
+    assert "[Errno 38] Function not implemented" in err
