@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from sandlot.backends.local import LocalBackend
@@ -110,6 +111,25 @@ async def test_strict_is_refused_where_it_cannot_hold(tmp_path: Path) -> None:
         assert not (tmp_path / "state" / "strict-gvisor").exists()
     finally:
         await backend.aclose()
+
+
+async def test_what_is_typed_into_a_terminal_is_decided_too(
+    strict: tuple[AsyncSandlot, AsyncSandbox, list[Receipt]],
+) -> None:
+    # Keystrokes never reach the gate; the programs they start do.
+    _, sb, _ = strict
+    async with await sb.open_pty() as term:
+        await term.write(f"{WIPE}; echo rc=$?\r".encode())
+        seen = b""
+        with anyio.fail_after(20):
+            while b"rc=126" not in seen:
+                data = await term.read()
+                assert data, seen
+                seen += data
+        assert b"Operation not permitted" in seen
+        await term.write(b"exit\r")
+        await term.wait(timeout=20)
+    assert (await sb.read_file("/workspace/keep.txt")) == b"still here\n"
 
 
 async def test_a_restarted_sandbox_is_still_strict(
