@@ -89,6 +89,9 @@ async def test_ordinary_work_still_runs(
     assert "keep.txt" in (await sb.exec(["ls", "/workspace"])).stdout.split()
     assert (await sb.exec(["python3", "-c", "print(1)"])).stdout == "1\n"
     assert (await sb.exec("echo hi | cat")).stdout == "hi\n"
+    # Many programs at once, each argv new (each one a decision): none is lost or stuck.
+    many = await sb.exec("seq 200 | xargs -P 8 -n 1 echo | sort -n | tail -1", timeout=60)
+    assert (many.exit_code, many.stdout) == (0, "200\n")
     allowed = [
         r.body
         for r in receipts
