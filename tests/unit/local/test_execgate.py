@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -190,3 +191,71 @@ def test_programs_fail_closed_once_the_gate_is_gone(tmp_path: Path) -> None:
         child.wait()
     assert child.returncode != 0
     assert "[Errno 38] Function not implemented" in err
+
+
+def test_a_slow_decision_holds_up_only_its_own_caller(tmp_path: Path) -> None:
+    asked = threading.Event()
+    release = threading.Event()
+
+    def decide(call: ExecCall) -> bool:
+        if call.argv[:1] == ("sleep",):
+            asked.set()
+            release.wait(30)  # an approval, say
+        return True
+
+    g = ExecGate(tmp_path / "l.sock", decide, quick=lambda call: None)
+    go = tmp_path / "go"
+    # Builtins only until /bin/echo: its exec comes after sleep's is pending.
+    script = f"sleep 0 & while [ ! -e {go} ]; do :; done; /bin/echo fast; wait"
+    child = subprocess.Popen(
+        [sys.executable, str(STANDIN), g.listener_path, "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    try:
+        assert child.stdout is not None
+        assert asked.wait(20)
+        go.touch()
+        started = time.monotonic()
+        assert child.stdout.readline() == "fast\n"
+        assert time.monotonic() - started < 10  # while sleep's decision is pending
+        release.set()
+        assert child.wait(timeout=20) == 0
+    finally:
+        release.set()
+        child.kill()
+        child.wait()
+        assert child.stdout is not None
+        child.stdout.close()
+        g.close()
+
+
+def test_closing_with_a_decision_pending_fails_it_closed(tmp_path: Path) -> None:
+    asked = threading.Event()
+    release = threading.Event()
+
+    def decide(call: ExecCall) -> bool:
+        if call.argv[:1] == ("true",):
+            asked.set()
+            release.wait(20)
+        return True
+
+    g = ExecGate(tmp_path / "l.sock", decide, quick=lambda call: None)
+    code = "import os; os.execvp('true', ['true'])"
+    child = subprocess.Popen(
+        [sys.executable, str(STANDIN), g.listener_path, sys.executable, "-c", code],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert asked.wait(20)
+        g.close()
+        release.set()  # the late answer must go nowhere (its fd is closed)
+        _, err = child.communicate(timeout=20)
+    finally:
+        release.set()
+        child.kill()
+        child.wait()
+    assert child.returncode != 0
+    assert "[Errno 38]" in err

@@ -1275,21 +1275,25 @@ class LocalBackend:
         sandbox_id = meta.sandbox_id
         allowed: set[tuple[str, tuple[str, ...], str]] = set()
 
-        def decide(call: ExecCall) -> bool:
+        def quick(call: ExecCall) -> bool | None:
             if call.path == init[0] and call.argv == init:
                 return True  # the agent itself, as this backend wrote it into config.json
             # Only allows are kept: a repeated denial is decided (and receipted) again, so
             # every attempt shows in the log, and a policy change can still lift it.
-            key = (call.path, call.argv, call.cwd)
-            if key in allowed:
+            if (call.path, call.argv, call.cwd) in allowed:
                 return True
+            return None if self.exec_decider is not None else False
+
+        def decide(call: ExecCall) -> bool:
             decider = self.exec_decider
             if decider is None or not anyio.from_thread.run(decider, sandbox_id, call, token=token):
                 return False
-            allowed.add(key)
+            allowed.add((call.path, call.argv, call.cwd))
             return True
 
-        self._execgates[sandbox_id] = ExecGate(path, decide)
+        # Decisions run on worker threads, several at once: one waiting for an approval
+        # does not stop the sandbox's other programs.
+        self._execgates[sandbox_id] = ExecGate(path, decide, quick=quick)
 
     def _close_execgate(self, sandbox_id: str) -> None:
         gate = self._execgates.pop(sandbox_id, None)

@@ -32,6 +32,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import final
@@ -227,6 +228,46 @@ def shares_memory(pid: int) -> bool:
 
 
 Decide = Callable[[ExecCall], bool]
+Quick = Callable[[ExecCall], bool | None]
+
+
+@final
+class _Listener:
+    """One notify fd, closed under its lock so that a late answer never reaches a reused fd
+    number."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def answer(self, notif_id: int, *, allow: bool) -> bool:
+        """Send the answer; False if the call is gone (its caller died) or the fd is closed."""
+        ident = ctypes.create_string_buffer(8)
+        struct.pack_into("=Q", ident, 0, notif_id)
+        send = ctypes.create_string_buffer(_RESP.size)
+        _RESP.pack_into(
+            send, 0, notif_id, 0, 0 if allow else -errno.EPERM, _FLAG_CONTINUE if allow else 0
+        )
+        with self.lock:
+            if self.closed:
+                return False
+            # Checked after the caller's memory was read: had it died and its pid been
+            # reused, what was read belongs to another process, and no answer may be sent.
+            try:
+                _ioctl_checked(self.fd, _NOTIF_ID_VALID, ident)
+                _ioctl_checked(self.fd, _NOTIF_SEND, send)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+                return False
+        return True
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                os.close(self.fd)
 
 
 @final
@@ -240,14 +281,31 @@ class ExecGate:
 
     Args:
         listener_path: The unix socket path written into the OCI config.
-        decide: Called on the gate's thread for each exec call; True allows it. It may block
-            (the caller stays stopped meanwhile); an exception denies.
+        decide: Called for each exec call; True allows it. It may block (the caller stays
+            stopped meanwhile); an exception denies.
+        quick: The fast path (a cache): called first, on the thread that reads the calls;
+            True or False answers at once, None hands the call to ``decide`` on one of
+            ``workers`` threads, so that a slow decision (a policy engine, an approval) does
+            not hold up the sandbox's other calls. Without it, ``decide`` runs on the reading
+            thread, one call at a time.
+        workers: The most decisions made at once, with ``quick``.
     """
 
-    def __init__(self, listener_path: str | os.PathLike[str], decide: Decide) -> None:
+    def __init__(
+        self,
+        listener_path: str | os.PathLike[str],
+        decide: Decide,
+        *,
+        quick: Quick | None = None,
+        workers: int = 8,
+    ) -> None:
         self.listener_path = os.fspath(listener_path)
         listener = Path(self.listener_path)
         self._decide = decide
+        self._quick = quick
+        self._workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         listener.unlink(missing_ok=True)
@@ -275,6 +333,11 @@ class ExecGate:
         self._thread.join(timeout)
         for serving in self._serving:
             serving.join(timeout)
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            # Decisions still running answer nothing: their listener is closed by now.
+            pool.shutdown(wait=False, cancel_futures=True)
         for close in (self._server.close, lambda: os.close(self._stop_r)):
             with contextlib.suppress(OSError):
                 close()
@@ -318,12 +381,13 @@ class ExecGate:
             serving.start()
 
     def _serve_and_close(self, fd: int) -> None:
+        listener = _Listener(fd)
         try:
-            self._serve(fd)
+            self._serve(listener)
         except OSError:
             pass
         finally:
-            os.close(fd)
+            listener.close()
 
     def _receive_fd(self) -> int | None:
         conn, _ = self._server.accept()
@@ -342,10 +406,9 @@ class ExecGate:
         os.set_inheritable(fds[0], False)
         return fds[0]
 
-    def _serve(self, fd: int) -> None:
+    def _serve(self, listener: _Listener) -> None:
+        fd = listener.fd
         recv = ctypes.create_string_buffer(_NOTIF.size)
-        send = ctypes.create_string_buffer(_RESP.size)
-        ident = ctypes.create_string_buffer(8)
         poller = self._poller(fd)
         while not self._stopping(fd, poller):
             ctypes.memset(recv, 0, _NOTIF.size)  # RECV refuses a buffer that is not zeroed
@@ -356,29 +419,38 @@ class ExecGate:
                     continue
                 raise
             notif_id, pid, _flags, nr, arch, _ip, *args = _NOTIF.unpack(recv.raw)
-            allow = self._allowed(pid, nr, arch, tuple(args))
-            # The id is checked after the read: had the caller died and its pid been reused,
-            # what was read belongs to another process, and the answer must not be sent.
-            struct.pack_into("=Q", ident, 0, notif_id)
             try:
-                _ioctl_checked(fd, _NOTIF_ID_VALID, ident)
-            except OSError:
+                call: ExecCall | None = read_exec_call(pid, nr, arch, tuple(args))
+            except (OSError, ValueError):
+                call = None
+            if call is None:
+                allow: bool | None = False
+            elif self._quick is None:
+                allow = self._decided(call)
+            else:
+                try:
+                    allow = self._quick(call)
+                except Exception:  # any failure of the decision is a deny, never a crash
+                    allow = False
+            if allow is None and call is not None:
+                self._pool_for().submit(self._decide_later, listener, notif_id, call)
                 continue
-            _RESP.pack_into(
-                send, 0, notif_id, 0, 0 if allow else -errno.EPERM, _FLAG_CONTINUE if allow else 0
-            )
-            try:
-                _ioctl_checked(fd, _NOTIF_SEND, send)
-            except OSError as e:
-                if e.errno != errno.ENOENT:
-                    raise
+            listener.answer(notif_id, allow=bool(allow))
             self.decided += 1
 
-    def _allowed(self, pid: int, nr: int, arch: int, args: tuple[int, ...]) -> bool:
-        try:
-            call = read_exec_call(pid, nr, arch, args)
-        except (OSError, ValueError):
-            return False
+    def _pool_for(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="execgate")
+            return self._pool
+
+    def _decide_later(self, listener: _Listener, notif_id: int, call: ExecCall) -> None:
+        allow = self._decided(call)
+        with contextlib.suppress(OSError):
+            listener.answer(notif_id, allow=allow)
+        self.decided += 1
+
+    def _decided(self, call: ExecCall) -> bool:
         try:
             return bool(self._decide(call))
         except Exception:  # any failure of the decision is a deny, never a crash
