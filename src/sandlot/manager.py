@@ -69,6 +69,7 @@ from sandlot.journal import (
 from sandlot.journal.wakeups import Wakeups
 from sandlot.models import (
     LOCAL_ACTOR,
+    SYSTEM_PRINCIPAL,
     Actor,
     Command,
     CommandSpec,
@@ -98,6 +99,7 @@ from sandlot.store.base import SandboxQuery
 from sandlot.taskgroups import lone_error
 
 if TYPE_CHECKING:
+    from sandlot.backends.local.execgate import ExecCall as _ExecCall
     from sandlot.gate.gate import Approval, Authorization, Gate
     from sandlot.policy import Explanation
     from sandlot.store.base import Store
@@ -419,6 +421,23 @@ class Manager:
         )
 
     # -- the gate -----------------------------------------------------------------------------
+
+    async def _decide_program(self, sandbox_id: str, call: _ExecCall) -> bool:
+        """A program started inside a strict sandbox, stopped in the kernel: decided and
+        receipted as ``exec.program`` (the binary as the caller named it, then its arguments;
+        ``argv[0]`` is the caller's to choose, so the program is the path), as the sandbox's
+        owner without admin rights (the kernel does not say who typed the command)."""
+        try:
+            sb = await self.store.get(sandbox_id)
+        except NotFound:
+            return False
+        actor = Actor(tenant=sb.tenant, principal=sb.owner or SYSTEM_PRINCIPAL)
+        command = [call.path, *call.argv[1:]]
+        try:
+            async with self._gated(actor, "exec.program", sb, command=command, cwd=call.cwd):
+                return True
+        except PolicyDenied:
+            return False
 
     @contextlib.asynccontextmanager
     async def _gated(
@@ -2609,6 +2628,9 @@ class Manager:
     def _backend(self, name: str) -> Backend:
         try:
             impl = self._used[name] = self.backends[name]
+            # The local backend's strict sandboxes ask here for each program they start.
+            if hasattr(impl, "exec_decider") and impl.exec_decider is None:
+                impl.exec_decider = self._decide_program
         except KeyError:
             msg = f"backend {name!r} is not available here (configured: {', '.join(sorted(self.backends))})"
             raise InvalidRequest(msg) from None

@@ -35,7 +35,12 @@ BACKEND_OPTIONS: Mapping[str, Mapping[str, BackendOption]] = {
         "isolation": BackendOption(
             "the OCI runtime: namespaces (crun) or gvisor (runsc, a user-space kernel)",
             ("namespaces", "gvisor"),
-        )
+        ),
+        "enforcement": BackendOption(
+            "standard, or strict: every execve in the sandbox stops in the kernel and is "
+            "decided by the policy gate (crun as root only)",
+            ("standard", "strict"),
+        ),
     },
     "microvm": {},
 }

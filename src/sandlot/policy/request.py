@@ -77,6 +77,12 @@ ACTIONS: Mapping[str, ActionInfo] = MappingProxyType(
             _a("exec", _C, ("run",), "run a command to completion"),
             _a("process.start", _C, ("run",), "start a background process"),
             _a("pty.open", _C, ("run",), "open an interactive terminal running a command"),
+            _a(
+                "exec.program",
+                _C,
+                ("run",),
+                "a program started inside a strict sandbox (every execve, decided in the kernel)",
+            ),
             _a("process.signal", ContextKind.SIGNAL, ("processes",), "send a signal to a process"),
             # The other process operations share the SIGNAL shape (signal 0: none is sent), so
             # a policy scoped to the "processes" group can read context.process_id for all.

@@ -110,6 +110,7 @@ def test_every_action_context_fits_the_full_schema() -> None:
         "exec": {"command": "sudo rm -rf /tmp/x $Y > /dev/sda; echo `ls`"},
         "process.start": {"command": ["sleep", "1"]},
         "pty.open": {},
+        "exec.program": {"command": ["/usr/bin/ls", "-l"]},
         "process.signal": {"process_id": "p", "signal": 9},
         "fs.chmod": {"path": "/x", "mode": 0o644},
         "port.expose": {"port": 80},

@@ -359,6 +359,7 @@ def test_every_action_normalizes_to_canonical_json() -> None:
         "exec": {"command": "ls"},
         "process.start": {"command": ["sleep", "10"]},
         "pty.open": {},
+        "exec.program": {"command": ["/usr/bin/rm", "-rf", "/"]},
         "process.signal": {"process_id": "p1", "signal": 9},
         "fs.chmod": {"path": "/workspace/x", "mode": 0o755},
         "port.expose": {"port": 8080},

@@ -61,18 +61,21 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends import trust
 from sandlot.backends.base import BackendState, Capabilities, SnapshotRef
 from sandlot.backends.local import layers, oci, rootless
 from sandlot.backends.local.channel import LocalChannel, read_oom_kills
+from sandlot.backends.local.execgate import ExecCall, ExecGate
 from sandlot.backends.local.ids import RANGE_SIZE, UidRanges
 from sandlot.backends.local.mounts import (
     UsernsHolder,
@@ -114,7 +117,16 @@ if TYPE_CHECKING:
     from sandlot.channel.base import Channel
     from sandlot.network.service import SandboxNetwork, SandboxNetworks
 
-__all__ = ["ISOLATIONS", "LocalBackend"]
+__all__ = ["ISOLATIONS", "ExecDecider", "LocalBackend"]
+
+ExecDecider = Callable[[str, ExecCall], Coroutine[Any, Any, bool]]
+"""Decides a program started inside a strict sandbox: ``(sandbox_id, call) -> allowed``. Awaited
+on the event loop the sandbox was booted from, while the calling thread waits in the kernel."""
+
+
+def _strict(spec: SandboxSpec) -> bool:
+    return spec.options_for("local").get("enforcement") == "strict"
+
 
 ISOLATIONS: Mapping[str, str] = {"namespaces": "crun", "gvisor": "runsc"}
 """``backend_options.local.isolation`` values and the runtime each one runs on."""
@@ -408,6 +420,10 @@ class LocalBackend:
         }
         self._userns = UsernsHolder()
         self._ready: dict[str, Channel] = {}
+        self._execgates: dict[str, ExecGate] = {}
+        self.exec_decider: ExecDecider | None = None
+        """Strict sandboxes: who decides each program (the Manager sets its gate here); with
+        none, every program but the sandbox's own agent is denied."""
         self._refill: anyio.abc.TaskGroup | None = None
         self._refilling: set[str] = set()
         self._fill_lock = anyio.Lock()
@@ -601,6 +617,15 @@ class LocalBackend:
         check_backend_options({"local": options})  # declared in sandlot.backends.options
         isolation = str(options.get("isolation", "namespaces"))
         kind = spec.network if isinstance(spec.network, str) else "allowlist"
+        if _strict(spec) and (isolation != "namespaces" or self._idmap is not None):
+            # runsc applies the profile in its own kernel and has no notify listener; rootless
+            # crun could not read the callers' memory from outside their user namespace.
+            why = "gVisor has no seccomp notify listener" if isolation != "namespaces" else ""
+            msg = (
+                "enforcement='strict' needs isolation='namespaces' (crun) run as root: "
+                f"{why or 'this backend runs rootless'}"
+            )
+            raise NotSupported(msg)
         if self._idmap is not None:
             self._validate_rootless(spec, isolation, kind)
         if kind not in self.capabilities().network:
@@ -965,11 +990,16 @@ class LocalBackend:
             hostname=HOSTNAME,
             gvisor=meta.runtime == "runsc",
             rootless=meta.idmap is not None,
+            exec_listener=str(self._exec_listener(meta)) if _strict(spec) else None,
         )
         doc = oci.build(cfg)
         linux = doc["linux"]
         profile = linux.get("seccomp") if isinstance(linux, dict) else None
         rt = self._runtimes[meta.runtime]
+        if _strict(spec):
+            # The profile names this sandbox's listener: no compiled program to share, and
+            # crun must load it itself to ask the kernel for a listener.
+            profile = None
         if isinstance(rt, Crun) and profile is not None:
             annotations = rt.seccomp_annotation(profile)
             if annotations:
@@ -1177,6 +1207,8 @@ class LocalBackend:
                     connect_scope.cancel()
 
         try:
+            if _strict(meta.spec_model()):
+                self._open_execgate(meta, d)
             _bind_unix(listener, sock_path)
             listener.listen(128)
             with lone_error():
@@ -1212,7 +1244,7 @@ class LocalBackend:
                 with anyio.CancelScope(shield=True):
                     await ch.close()
             raise
-        if isinstance(rt, Crun):
+        if isinstance(rt, Crun) and profile is not None:
             rt.learn_seccomp(meta.container, profile)
         if connected:
             old = self._ready.pop(meta.sandbox_id, None)
@@ -1226,6 +1258,47 @@ class LocalBackend:
         err = failed[0] if failed else None
         msg = f"sandbox {meta.sandbox_id}: the agent did not answer: {err}: {self._log_tail(d)}"
         raise SandboxTimeout(msg) from err
+
+    def _exec_listener(self, meta: _Meta) -> Path:
+        # sun_path holds 108 bytes: a short name under the run directory, not the state's.
+        return self._run_root / "x" / f"{hashlib.sha256(meta.container.encode()).hexdigest()[:16]}"
+
+    def _open_execgate(self, meta: _Meta, d: Path) -> None:
+        """Listen for crun's exec-notify fd (strict) and decide each program through
+        :attr:`exec_decider`, on the event loop this runs on (an allowed call once per boot)."""
+        self._close_execgate(meta.sandbox_id)
+        path = self._exec_listener(meta)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        token = anyio.lowlevel.current_token()
+        config = json.loads((d / "config.json").read_text())
+        init = tuple(str(a) for a in config["process"]["args"])
+        sandbox_id = meta.sandbox_id
+        allowed: set[tuple[str, tuple[str, ...], str]] = set()
+
+        def quick(call: ExecCall) -> bool | None:
+            if call.path == init[0] and call.argv == init:
+                return True  # the agent itself, as this backend wrote it into config.json
+            # Only allows are kept: a repeated denial is decided (and receipted) again, so
+            # every attempt shows in the log, and a policy change can still lift it.
+            if (call.path, call.argv, call.cwd) in allowed:
+                return True
+            return None if self.exec_decider is not None else False
+
+        def decide(call: ExecCall) -> bool:
+            decider = self.exec_decider
+            if decider is None or not anyio.from_thread.run(decider, sandbox_id, call, token=token):
+                return False
+            allowed.add((call.path, call.argv, call.cwd))
+            return True
+
+        # Decisions run on worker threads, several at once: one waiting for an approval
+        # does not stop the sandbox's other programs.
+        self._execgates[sandbox_id] = ExecGate(path, decide, quick=quick)
+
+    def _close_execgate(self, sandbox_id: str) -> None:
+        gate = self._execgates.pop(sandbox_id, None)
+        if gate is not None:
+            gate.close()
 
     async def _start_slirp(self, d: Path, meta: _Meta) -> None:
         """Rootless ``allow-all``: fence the sandbox's network namespace (what rootful
@@ -1413,6 +1486,7 @@ class LocalBackend:
         await rt.delete(meta.container, known)
         await anyio.to_thread.run_sync(self._reap_all, meta, 2.0)
         await anyio.to_thread.run_sync(self._unmount, d, meta)
+        await anyio.to_thread.run_sync(self._close_execgate, meta.sandbox_id)
         meta.init = None
         meta.host_pids = []
 
@@ -2429,7 +2503,7 @@ class LocalBackend:
                 await self._destroy_dir(d)
 
     def _poolable(self, spec: SandboxSpec) -> str | None:
-        if spec.image is not None or spec.resources.disk_mb is not None:
+        if spec.image is not None or spec.resources.disk_mb is not None or _strict(spec):
             return None
         if self._idmap is not None and (spec.network != "deny-all" or spec.workdir != "/workspace"):
             # Rootless pooled sandboxes boot deny-all in a root that only the sandbox's own
@@ -2600,6 +2674,10 @@ class LocalBackend:
         for ch in ready:
             with contextlib.suppress(Exception):
                 await ch.close()
+        # Strict sandboxes keep running, but with nobody to decide, their programs fail to
+        # start (ENOSYS) until they are started again: closed, never open.
+        for sandbox_id in list(self._execgates):
+            await anyio.to_thread.run_sync(self._close_execgate, sandbox_id)
         await self._empty_trash()
         self._userns.close()
         for rt in self._runtimes.values():

@@ -104,6 +104,9 @@ class BundleConfig:
     caller_uid: int = 0
     """The host uid/gid mapped to root when ``uid_base`` is None."""
     caller_gid: int = 0
+    exec_listener: str | None = None
+    """Strict enforcement: the unix socket that receives the exec-notify fd (see
+    :func:`.seccomp.profile`)."""
     rootless: bool = False
     """The runtime runs as root of a user namespace whose ids are ``0..uid_size-1`` (the
     caller and its subordinate ids), without cgroups: no cgroup section, and a per-uid process
@@ -275,7 +278,7 @@ def build(cfg: BundleConfig) -> dict[str, object]:
         "namespaces": namespaces(cfg.netns_path),
         "maskedPaths": list(MASKED_PATHS),
         "readonlyPaths": list(READONLY_PATHS),
-        "seccomp": seccomp.profile(clone3=not cfg.gvisor),
+        "seccomp": seccomp.profile(clone3=not cfg.gvisor, listener_path=cfg.exec_listener),
     }
     if not cfg.rootless:
         linux["resources"] = resources(cfg.resources, gvisor=cfg.gvisor)

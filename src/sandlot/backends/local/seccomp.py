@@ -108,7 +108,7 @@ NAMESPACE_FLAGS: dict[str, int] = {
 ``unshare``; in ``clone`` that bit belongs to the exit signal)."""
 
 
-def profile(*, clone3: bool = True) -> dict[str, object]:
+def profile(*, clone3: bool = True, listener_path: str | None = None) -> dict[str, object]:
     """The OCI seccomp section (x86-64 and its 32-bit compat ABIs).
 
     Args:
@@ -116,6 +116,9 @@ def profile(*, clone3: bool = True) -> dict[str, object]:
             own kernel, where that rule makes every ``posix_spawn`` fail with ``EPERM``
             instead of falling back to ``clone``; there, namespaces a process creates are
             the user-space kernel's anyway, and ``unshare``/``setns`` stay denied.
+        listener_path: strict enforcement: ``execve`` and ``execveat`` stop in the kernel
+            (``SCMP_ACT_NOTIFY``) and crun hands the filter's notify fd to the unix socket at
+            this path (:mod:`.execgate` answers them).
     """
     # Names go in groups of 16: runsc builds a wrong filter from one long list (every
     # process spawn then fails), and the kernel's seccomp does not care.
@@ -140,8 +143,12 @@ def profile(*, clone3: bool = True) -> dict[str, object]:
         }
         for flag in NAMESPACE_FLAGS.values()
     )
-    return {
+    doc: dict[str, object] = {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
         "syscalls": rules,
     }
+    if listener_path is not None:
+        rules.append({"names": ["execve", "execveat"], "action": "SCMP_ACT_NOTIFY"})
+        doc["listenerPath"] = listener_path
+    return doc

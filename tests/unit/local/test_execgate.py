@@ -1,0 +1,261 @@
+"""The exec notifier against a real seccomp filter: a stand-in for crun loads one
+(``notify_standin.py``), hands its fd to :class:`ExecGate` the way crun does, and runs programs
+whose every ``execve`` the gate decides."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandlot.backends.local.execgate import ExecCall, ExecGate, notif_sizes, shares_memory
+
+STANDIN = Path(__file__).with_name("notify_standin.py")
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root (seccomp without no_new_privs)"
+)
+
+
+class Recorder:
+    def __init__(self, deny: str = "rm") -> None:
+        self.deny = deny
+        self.calls: list[ExecCall] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, call: ExecCall) -> bool:
+        with self.lock:
+            self.calls.append(call)
+        return Path(call.path).name != self.deny
+
+    def programs(self) -> list[str]:
+        with self.lock:
+            return [Path(c.path).name for c in self.calls]
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[tuple[ExecGate, Recorder]]:
+    recorder = Recorder()
+    g = ExecGate(tmp_path / "listener.sock", recorder)
+    yield g, recorder
+    g.close()
+
+
+def run(gate: ExecGate, *argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+    return subprocess.run(
+        [sys.executable, str(STANDIN), gate.listener_path, *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def test_kernel_sizes_match_the_layout() -> None:
+    assert notif_sizes() == (80, 24, 64)
+
+
+def test_allowed_programs_run_and_each_exec_is_seen(
+    gate: tuple[ExecGate, Recorder], tmp_path: Path
+) -> None:
+    g, rec = gate
+    out = run(g, "sh", "-c", "echo hi | cat; /usr/bin/env true", cwd=tmp_path)
+    assert (out.returncode, out.stdout) == (0, "hi\n"), out.stderr
+    first = rec.calls[0]
+    assert first.argv == ("sh", "-c", "echo hi | cat; /usr/bin/env true")
+    assert first.cwd == str(tmp_path)
+    assert {"sh", "cat", "env", "true"} <= set(rec.programs())
+    assert g.state is not None
+    assert g.state["fds"] == ["seccompFd"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sh", "-c", "rm -rf /nonexistent-strict-test"],
+        ["sh", "-c", "R=rm; $R -rf /nonexistent-strict-test"],
+        [
+            sys.executable,
+            "-c",
+            "import os; os.execvp('rm', ['rm', '-rf', '/nonexistent-strict-test'])",
+        ],
+        [
+            sys.executable,
+            "-c",
+            "import subprocess; subprocess.run(['rm', '-rf', '/nonexistent-strict-test'])",
+        ],
+    ],
+    ids=["sh", "variable", "execvp", "subprocess"],
+)
+def test_a_denied_program_fails_with_eperm(
+    gate: tuple[ExecGate, Recorder], argv: list[str]
+) -> None:
+    g, rec = gate
+    out = run(g, *argv)
+    assert out.returncode != 0
+    assert "Operation not permitted" in out.stderr or "[Errno 1]" in out.stderr, out.stderr
+    rm = [c for c in rec.calls if Path(c.path).name == "rm"]
+    assert rm
+    assert all(c.argv == ("rm", "-rf", "/nonexistent-strict-test") for c in rm)
+
+
+def test_stdin_script_and_execveat(gate: tuple[ExecGate, Recorder], tmp_path: Path) -> None:
+    g, rec = gate
+    script = tmp_path / "s.sh"
+    script.write_text("rm -rf /nonexistent-strict-test\necho after=$?\n")
+    out = run(g, "sh", str(script))
+    assert "after=126" in out.stdout
+    assert "Operation not permitted" in out.stderr
+    # fexecve: execveat(fd, "", argv, envp, AT_EMPTY_PATH); the path is the fd's target
+    code = (
+        "import os; fd = os.open('/usr/bin/rm', os.O_RDONLY);"
+        " os.execve(fd, ['rm', '-rf', '/nonexistent-strict-test'], {})"
+    )
+    out = run(g, sys.executable, "-c", code)
+    assert "[Errno 1]" in out.stderr, out.stderr
+    assert rec.calls[-1].path == "/usr/bin/rm"
+
+
+def test_a_failing_decision_denies(tmp_path: Path) -> None:
+    def broken(call: ExecCall) -> bool:
+        msg = "policy engine down"
+        raise RuntimeError(msg)
+
+    g = ExecGate(tmp_path / "l.sock", broken)
+    try:
+        out = run(g, "true")
+        assert out.returncode != 0
+        assert "[Errno 1]" in out.stderr
+    finally:
+        g.close()
+
+
+def test_close_before_crun_connects_and_after_exits(tmp_path: Path) -> None:
+    g = ExecGate(tmp_path / "l.sock", lambda call: True)
+    g.close()
+    assert not Path(g.listener_path).exists()
+    g = ExecGate(tmp_path / "l.sock", lambda call: True)
+    assert run(g, "true").returncode == 0
+    assert run(g, "true").returncode == 0  # a second start hands over a second fd
+    g.close()
+    assert not g._thread.is_alive()
+    assert not any(t.is_alive() for t in g._serving)
+
+
+def test_shares_memory() -> None:
+    single = subprocess.Popen(["sleep", "5"])
+    threaded = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import threading, time; threading.Thread(target=time.sleep, args=(5,)).start(); print(flush=True); time.sleep(5)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert threaded.stdout is not None
+        threaded.stdout.readline()
+        assert shares_memory(single.pid) is False
+        assert shares_memory(threaded.pid) is True
+    finally:
+        for p in (single, threaded):
+            p.kill()
+            p.wait()
+        threaded.stdout.close()
+
+
+def test_programs_fail_closed_once_the_gate_is_gone(tmp_path: Path) -> None:
+    g = ExecGate(tmp_path / "l.sock", lambda call: True)
+    code = "import os, sys, time; sys.stdin.read(); os.execvp('true', ['true'])"
+    child = subprocess.Popen(
+        [sys.executable, str(STANDIN), g.listener_path, sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while g.decided < 1:  # python3 itself started: the filter is live
+            threading.Event().wait(0.01)
+        g.close()
+        _, err = child.communicate("", timeout=30)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode != 0
+    assert "[Errno 38] Function not implemented" in err
+
+
+def test_a_slow_decision_holds_up_only_its_own_caller(tmp_path: Path) -> None:
+    asked = threading.Event()
+    release = threading.Event()
+
+    def decide(call: ExecCall) -> bool:
+        if call.argv[:1] == ("sleep",):
+            asked.set()
+            release.wait(30)  # an approval, say
+        return True
+
+    g = ExecGate(tmp_path / "l.sock", decide, quick=lambda call: None)
+    go = tmp_path / "go"
+    # Builtins only until /bin/echo: its exec comes after sleep's is pending.
+    script = f"sleep 0 & while [ ! -e {go} ]; do :; done; /bin/echo fast; wait"
+    child = subprocess.Popen(
+        [sys.executable, str(STANDIN), g.listener_path, "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    try:
+        assert child.stdout is not None
+        assert asked.wait(20)
+        go.touch()
+        started = time.monotonic()
+        assert child.stdout.readline() == "fast\n"
+        assert time.monotonic() - started < 10  # while sleep's decision is pending
+        release.set()
+        assert child.wait(timeout=20) == 0
+    finally:
+        release.set()
+        child.kill()
+        child.wait()
+        assert child.stdout is not None
+        child.stdout.close()
+        g.close()
+
+
+def test_closing_with_a_decision_pending_fails_it_closed(tmp_path: Path) -> None:
+    asked = threading.Event()
+    release = threading.Event()
+
+    def decide(call: ExecCall) -> bool:
+        if call.argv[:1] == ("true",):
+            asked.set()
+            release.wait(20)
+        return True
+
+    g = ExecGate(tmp_path / "l.sock", decide, quick=lambda call: None)
+    code = "import os; os.execvp('true', ['true'])"
+    child = subprocess.Popen(
+        [sys.executable, str(STANDIN), g.listener_path, sys.executable, "-c", code],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert asked.wait(20)
+        g.close()
+        release.set()  # the late answer must go nowhere (its fd is closed)
+        _, err = child.communicate(timeout=20)
+    finally:
+        release.set()
+        child.kill()
+        child.wait()
+    assert child.returncode != 0
+    assert "[Errno 38]" in err
