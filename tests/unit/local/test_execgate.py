@@ -151,7 +151,16 @@ def test_close_before_crun_connects_and_after_exits(tmp_path: Path) -> None:
 
 
 def test_shares_memory() -> None:
-    single = subprocess.Popen(["sleep", "5"])
+    # The lone program's parent must be single-threaded too (shares_memory counts the parent's
+    # threads, for vfork children): pytest's own process may run threads of other tests.
+    single_parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess; p = subprocess.Popen(['sleep', '5']); print(p.pid, flush=True); p.wait()",
+        ],
+        stdout=subprocess.PIPE,
+    )
     threaded = subprocess.Popen(
         [
             sys.executable,
@@ -161,15 +170,18 @@ def test_shares_memory() -> None:
         stdout=subprocess.PIPE,
     )
     try:
+        assert single_parent.stdout is not None
         assert threaded.stdout is not None
+        single = int(single_parent.stdout.readline())
         threaded.stdout.readline()
-        assert shares_memory(single.pid) is False
+        assert shares_memory(single) is False
         assert shares_memory(threaded.pid) is True
     finally:
-        for p in (single, threaded):
+        for p in (single_parent, threaded):
             p.kill()
             p.wait()
-        threaded.stdout.close()
+            assert p.stdout is not None
+            p.stdout.close()
 
 
 def test_programs_fail_closed_once_the_gate_is_gone(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from sandlot.errors import InvalidRequest
 from sandlot.policy import load_engine
 from sandlot.policy.builtin import BuiltinEngine
 from sandlot.policy.cedar import SCHEMA, CedarEngine
+from sandlot.policy.request import ACTIONS
 from sandlot.sdk import policy_config
 
 GOOD = '@id("allow-all")\npermit (principal, action, resource);\n'
@@ -100,7 +101,7 @@ def test_a_policy_without_an_id_is_named_by_the_line_it_starts_on(tmp_path: Path
     )
     message = load_error(bad)
     assert message.startswith(f"{bad}:6:16: the policy starting on line 5 does not validate")
-    assert "27 actions" in message  # Cedar's one error per action, folded into one
+    assert f"{len(ACTIONS)} actions" in message  # Cedar's one error per action, folded into one
 
 
 @pytest.mark.parametrize(
