@@ -88,6 +88,8 @@ def test_run_exits_with_the_commands_code_and_leaves_nothing() -> None:
         (("create", "--spec", "/does/not/exist.json"), "--spec: cannot read"),
         (("exec", "sb-nope", "--", "true"), "no sandbox 'sb-nope'"),
         (("--backend", "warp", "create"), "unknown backend 'warp'"),
+        (("create", "--backend", "warp"), "unknown backend 'warp'"),
+        (("run", "--backend", "warp", "--", "true"), "unknown backend 'warp'"),
     ],
 )
 def test_bad_input_is_one_clear_line_no_traceback(args: tuple[str, ...], message: str) -> None:
@@ -96,6 +98,18 @@ def test_bad_input_is_one_clear_line_no_traceback(args: tuple[str, ...], message
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_create_and_run_take_backend_after_the_command() -> None:
+    """Issue 14: `sandlot create --backend X` said "No such option: --backend"; only the
+    global `sandlot --backend X create` worked. The command's own option wins over it."""
+    info = json.loads(
+        sandlot("--backend", "local", "create", "--backend", "fake", "--json", check=True).stdout
+    )
+    assert info["backend"] == "fake"
+    ran = sandlot("--backend", "local", "run", "-b", "fake", "--json", "--", "echo", "hi")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["result"]["stdout"] == "hi\n"
 
 
 def test_errors_as_json() -> None:

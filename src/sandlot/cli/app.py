@@ -92,6 +92,14 @@ KeyOpt = Annotated[
     ),
 ]
 IdArg = Annotated[str, typer.Argument(help="Sandbox id.", show_default=False)]
+NewBackendOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--backend",
+        "-b",
+        help="Backend for this sandbox (local, microvm, fake, …); default: the global --backend.",
+    ),
+]
 
 
 @dataclass
@@ -153,6 +161,13 @@ def _global(
     _settings.backend = backend
     _settings.home = home
     _settings.database = database
+
+
+def _use_backend(backend: str | None) -> None:
+    """A command's own ``--backend`` wins over the global one: the embedded client then
+    checks the name as it does the global's (one message for a name it does not know)."""
+    if backend is not None:
+        _settings.backend = backend
 
 
 # -- plumbing ------------------------------------------------------------------------------
@@ -374,11 +389,13 @@ def create(
     option: OptionOpt = None,
     ca_cert: CaCertOpt = None,
     spec: SpecOpt = None,
+    backend: NewBackendOpt = None,
     idempotency_key: KeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Create a sandbox: clone --git, run --setup, launch --start; print its id."""
     values = dict(locals())
+    _use_backend(backend)
 
     async def body(client: AsyncSandlot) -> SandboxInfo:
         full = spec_from_options(values)
@@ -390,6 +407,7 @@ def create(
 
         handle = await client.create(
             full,
+            backend=backend,
             on_setup_output=None if as_json else show_setup,
             idempotency_key=idempotency_key,
         )
@@ -560,10 +578,12 @@ def run(
     option: OptionOpt = None,
     ca_cert: CaCertOpt = None,
     spec: SpecOpt = None,
+    backend: NewBackendOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Create a sandbox, run one command in it, destroy it; exit with the command's code."""
     values = dict(locals())
+    _use_backend(backend)
     # --timeout here bounds the command, not the sandbox's TTL.
     values.pop("timeout")
 
@@ -572,7 +592,9 @@ def run(
         full = spec_from_options(values)
         try:
             handle = await client.create(
-                full, on_setup_output=None if as_json else (lambda c: _write("stderr", c.data))
+                full,
+                backend=backend,
+                on_setup_output=None if as_json else (lambda c: _write("stderr", c.data)),
             )
         except SandboxError as e:
             # A one-shot run cleans up after itself: the failed sandbox goes too.
