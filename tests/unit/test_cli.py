@@ -234,3 +234,51 @@ def test_ctrl_c_during_create_leaves_nothing() -> None:
     assert record["status"] == "destroyed"
     assert record["death"]["cause"] == "interrupted"
     assert out == ""
+
+
+def test_list_offers_every_status_by_its_value() -> None:
+    """`list --status` offers the CLI's own copy of the statuses (the wire models are not
+    imported to build the command line); it must be the same list."""
+    from sandlot.cli.options import StatusName
+    from sandlot.models import SandboxStatus
+
+    assert [s.value for s in StatusName] == [s.value for s in SandboxStatus]
+
+
+# What a start-up must not pay for: `--version` imports nothing but the version, and
+# `--help` builds the whole command line without the SDK, the store, pydantic or anyio.
+_IMPORTED = (
+    "import sys; from sandlot.cli import main; sys.argv[1:] = {args!r}\n"
+    "try:\n    main()\nexcept SystemExit:\n    pass\n"
+    "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {names!r})))"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "allowed", "heavy"),
+    [
+        (["--version"], {"sandlot", "sandlot._version", "sandlot.cli"}, set()),
+        (["--help"], None, {"pydantic", "sqlalchemy", "anyio", "httpx", "cryptography"}),
+        # typer itself brings pydantic in to parse the global options before a subcommand.
+        (["exec", "--help"], None, {"sqlalchemy", "anyio", "httpx", "cryptography"}),
+    ],
+)
+def test_a_quick_command_imports_only_what_it_needs(
+    args: list[str], allowed: set[str] | None, heavy: set[str]
+) -> None:
+    names = {"sandlot", "typer", "pydantic", "sqlalchemy", "anyio", "httpx", "cryptography"}
+    code = _IMPORTED.format(args=args, names=names)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    imported = set(proc.stdout.splitlines()[-1].split())
+    if allowed is not None:
+        assert imported == allowed
+        return
+    assert not {m.split(".")[0] for m in imported} & heavy
+    assert {m for m in imported if m.startswith("sandlot.")} <= {
+        "sandlot._version",
+        "sandlot.errors",
+        *(m for m in imported if m.startswith("sandlot.cli")),
+    }
+    assert "sandlot.cli.doctor" not in imported

@@ -1,10 +1,28 @@
 """The ``sandlot`` command line; ``main`` is the console script.
 
-The command groups register themselves on ``app`` when imported, here, so that ``app`` is
-complete whichever way the CLI is entered.
+``sandlot --version`` is answered here, before typer or any other part of sandlot is
+imported: those imports are most of the CLI's start-up, and a version check is what scripts
+and installers run most. Everything else goes to :mod:`sandlot.cli.app` (the typer ``app``),
+which registers every command when imported. This package must not import backends (the SDK
+builds them).
 """
 
-from sandlot.cli import governance, images, network, server_cmds, shell
-from sandlot.cli.app import app, main
+from __future__ import annotations
 
-__all__ = ["app", "governance", "images", "main", "network", "server_cmds", "shell"]
+import sys
+
+__all__ = ["main"]
+
+
+def main() -> None:
+    """The console script entry point."""
+    # Exactly `sandlot --version`: with anything else on the line typer must parse it (a
+    # usage error there is an error even beside --version).
+    if sys.argv[1:] == ["--version"]:
+        from sandlot._version import __version__
+
+        print(f"sandlot {__version__}")
+        return
+    from sandlot.cli.app import main as run
+
+    run()

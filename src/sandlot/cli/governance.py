@@ -2,7 +2,9 @@
 
 ``receipts verify`` and ``receipts verify-proof`` work offline on exported files (exit 0 valid,
 1 a verification failure naming the first bad seq and the check, 2 a usage or I/O error); the
-others read the receipt log in the database next to the sandbox records.
+others read the receipt log in the database next to the sandbox records. The receipts, the
+journal and the store are imported by the commands that use them, not with this module (which
+``--help`` imports).
 """
 
 from __future__ import annotations
@@ -13,26 +15,19 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
 
-from sandlot.cli.app import JsonOpt, _print_json, _run, _settings, app, err, out
-from sandlot.config import receipt_log_id
+from sandlot.cli.app import _print_json, _run, _settings, app, err, out
+from sandlot.cli.options import JsonOpt
 from sandlot.errors import InvalidRequest, SandboxError
-from sandlot.journal import Journal, process_owner
-from sandlot.models import Actor
-from sandlot.receipts import (
-    KeyStore,
-    ReceiptLog,
-    TrustRoot,
-    proof_problem,
-    prove,
-    verify_files,
-)
-from sandlot.sdk import AsyncSandlot, database_url
-from sandlot.store.sql import SqlStore
+
+if TYPE_CHECKING:
+    from sandlot.journal import Journal
+    from sandlot.models import Actor
+    from sandlot.receipts import ReceiptLog
+    from sandlot.sdk import AsyncSandlot
 
 __all__ = ["approvals_app", "intents_app", "keys_app", "policy_app", "receipts_app"]
 
@@ -55,6 +50,8 @@ app.add_typer(policy_app, name="policy")
 
 
 def _fail(message: str, code: int, as_json: bool) -> typer.Exit:
+    from rich.markup import escape
+
     if as_json:
         print(json.dumps({"error": {"message": message}}))
     else:
@@ -66,6 +63,10 @@ def _fail(message: str, code: int, as_json: bool) -> typer.Exit:
 def _log(as_json: bool = False) -> Iterator[ReceiptLog]:
     """The receipt log of the configured home and database."""
     from sandlot.config import home as resolve_home
+    from sandlot.config import receipt_log_id
+    from sandlot.receipts import KeyStore, ReceiptLog
+    from sandlot.sdk import database_url
+    from sandlot.store.sql import SqlStore
 
     try:
         home = resolve_home(_settings.home)
@@ -162,6 +163,8 @@ def verify(
     as_json: JsonOpt = False,
 ) -> None:
     """Verify an exported log offline: signatures, chain, order, references, checkpoint."""
+    from sandlot.receipts import verify_files
+
     try:
         result = verify_files(log_file, trust_root, checkpoint)
     except SandboxError as e:
@@ -181,6 +184,8 @@ def prove_cmd(
     ] = None,
 ) -> None:
     """Print an inclusion proof of one receipt in a signed checkpoint."""
+    from sandlot.receipts import prove
+
     with _log() as log:
         proof = prove(log, seq)
     text = json.dumps(proof, indent=2)
@@ -199,6 +204,8 @@ def verify_proof_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Check an inclusion proof offline (exit 0 valid, 1 invalid, 2 unreadable)."""
+    from sandlot.receipts import TrustRoot, proof_problem
+
     try:
         proof = json.loads(proof_file.read_text())
         root = TrustRoot.load(trust_root)
@@ -252,6 +259,7 @@ def export_trust_root(
 def rotate(as_json: JsonOpt = False) -> None:
     """Make a new signing key; the log records the change signed by both keys."""
     from sandlot.config import home as resolve_home
+    from sandlot.receipts import KeyStore
 
     keys = KeyStore.default(resolve_home(_settings.home))
     with _log(as_json) as log:
@@ -296,6 +304,8 @@ def approvals_list(
 def _operator() -> Actor:
     """Who answers from this terminal: an operator, never the agent that asked (an agent
     cannot approve its own held operation)."""
+    from sandlot.models import Actor
+
     return Actor(principal=f"operator:{getpass.getuser()}")
 
 
@@ -381,6 +391,9 @@ app.add_typer(intents_app, name="intents")
 @contextmanager
 def _journal(as_json: bool = False) -> Iterator[Journal]:
     from sandlot.config import home as resolve_home
+    from sandlot.journal import Journal, process_owner
+    from sandlot.sdk import database_url
+    from sandlot.store.sql import SqlStore
 
     try:
         store = SqlStore(database_url(_settings.database, resolve_home(_settings.home)))

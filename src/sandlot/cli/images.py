@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-import anyio.to_thread
 import typer
 
-from sandlot.cli.app import JsonOpt, _fail, _print_json, app, err, out
+from sandlot.cli.app import _fail, _print_json, app, err, out
+from sandlot.cli.options import JsonOpt
 from sandlot.errors import InvalidRequest, SandboxError
 
 __all__ = ["images_app"]
@@ -32,6 +32,9 @@ def build(
     """Build an image from Debian packages (cached by a hash of its inputs)."""
     if kind not in KINDS:
         _fail(InvalidRequest(f"unknown image kind {kind!r}; known: {', '.join(KINDS)}"), as_json)
+    import anyio
+    import anyio.to_thread
+
     from sandlot.backends.microvm import build_image
 
     started = time.monotonic()

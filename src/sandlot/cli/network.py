@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from sandlot.cli.app import IdArg, JsonOpt, _print_json, _run, app, err, out
-from sandlot.cli.spec import AllowCidrOpt, AllowDomainOpt, DenyCidrOpt
-from sandlot.models import JsonValue, NetworkAllowlist, SandboxInfo
-from sandlot.sdk import AsyncSandlot
+from sandlot.cli.app import _print_json, _run, app, err, out
+from sandlot.cli.options import AllowCidrOpt, AllowDomainOpt, DenyCidrOpt, IdArg, JsonOpt
+
+if TYPE_CHECKING:
+    from sandlot.models import JsonValue, NetworkAllowlist, SandboxInfo
+    from sandlot.sdk import AsyncSandlot
 
 __all__ = ["network_app"]
 
@@ -58,6 +60,8 @@ def set_policy(
         target = policy
 
     async def body(client: AsyncSandlot) -> SandboxInfo:
+        from sandlot.models import NetworkAllowlist
+
         raw = target if isinstance(target, str) else NetworkAllowlist.model_validate(target)
         return await (await client.get(sandbox_id)).update_network(raw)
 

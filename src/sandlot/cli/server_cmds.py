@@ -14,9 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
-import anyio
 import typer
-from rich.table import Table
 
 from sandlot.cli.app import _fail, _print_json, _settings, app, err, out
 from sandlot.errors import InvalidRequest, SandboxError
@@ -111,6 +109,7 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the HTTP API (and MCP at /mcp) until interrupted."""
+    import anyio
     import uvicorn
 
     from sandlot.config import home as resolve_home
@@ -221,6 +220,8 @@ def mcp_stdio(
     """
     import os
 
+    import anyio
+
     from sandlot.mcp.stdio import serve_stdio
 
     async def main() -> None:
@@ -243,6 +244,8 @@ def mcp_stdio(
 
 
 def _keys_run(as_json: bool, body: Callable[[ApiKeyStore], Awaitable[T]]) -> T:
+    import anyio
+
     from sandlot.server.keys import ApiKeyStore
 
     async def main() -> T:
@@ -297,6 +300,8 @@ def keys_list(
     as_json: JsonOpt = False,
 ) -> None:
     """List keys (never their text), revoked ones included."""
+    from rich.table import Table
+
     from sandlot.server.keys import ApiKeyInfo
 
     async def body(store: ApiKeyStore) -> list[ApiKeyInfo]:

@@ -20,17 +20,18 @@ import termios
 import threading
 import tty
 from collections.abc import Iterator
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import anyio
-import anyio.to_thread
 import typer
 
-from sandlot.cli.app import IdArg, _run, app
-from sandlot.cli.spec import EnvOpt, parse_pairs
+from sandlot.cli.app import _run, app
+from sandlot.cli.options import EnvOpt, IdArg
+from sandlot.cli.spec import parse_pairs
 from sandlot.errors import SandboxError
-from sandlot.sdk import AsyncSandlot
-from sandlot.terminal import AsyncTerminal
+
+if TYPE_CHECKING:
+    from sandlot.sdk import AsyncSandlot
+    from sandlot.terminal import AsyncTerminal
 
 __all__ = ["shell"]
 
@@ -85,6 +86,9 @@ def _raw_mode(fd: int) -> Iterator[None]:
 
 async def _relay(term: AsyncTerminal) -> int:
     """Copy keystrokes in and output out until the program exits; its exit code."""
+    import anyio
+    import anyio.to_thread
+
     stdin = sys.stdin.fileno()
     interactive = os.isatty(stdin)
     ended = threading.Event()

@@ -1,9 +1,12 @@
 """Turning command-line options into a :class:`SandboxSpec`.
 
 ``create`` and ``run`` take every spec field as an option, or a whole spec from ``--spec
-FILE`` (JSON or TOML) with options laid over it. Bad input becomes one ``InvalidRequest``
-naming the option; backend options are checked against what each backend declares
-(:mod:`sandlot.backends.options`). This module must not import concrete backends.
+FILE`` (JSON or TOML) with options laid over it (the options themselves are declared in
+:mod:`sandlot.cli.options`). Bad input becomes one ``InvalidRequest`` naming the option; backend
+options are checked against what each backend declares (:mod:`sandlot.backends.options`). The
+wire models and the backends' tables are imported when a spec is built, not with this module:
+``parse_pairs`` serves commands that build no spec. This module must not import concrete
+backends.
 """
 
 from __future__ import annotations
@@ -12,16 +15,14 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING
 
-import typer
-
-from sandlot.backends import trust
-from sandlot.backends.options import check_backend_options
 from sandlot.errors import InvalidRequest
-from sandlot.models import SandboxSpec, parse_model
 
-__all__ = ["CaCertOpt", "parse_pairs", "spec_from_options"]
+if TYPE_CHECKING:
+    from sandlot.models import SandboxSpec
+
+__all__ = ["parse_pairs", "spec_from_options"]
 
 
 def parse_pairs(values: list[str] | None, option: str) -> dict[str, str]:
@@ -76,97 +77,9 @@ def _network(
     return value
 
 
-ImageOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--image", help="Root filesystem: a directory, a rootfs tarball, or oci:PATH:TAG."
-    ),
-]
-WorkdirOpt = Annotated[
-    str | None, typer.Option("--workdir", help="Absolute working directory (default /workspace).")
-]
-EnvOpt = Annotated[
-    list[str] | None,
-    typer.Option("--env", "-e", help="Environment variable KEY=VALUE (repeatable)."),
-]
-LabelOpt = Annotated[
-    list[str] | None, typer.Option("--label", "-l", help="Label KEY=VALUE (repeatable).")
-]
-NetworkOpt = Annotated[
-    str | None, typer.Option("--network", help="allow-all, deny-all, or a JSON allowlist.")
-]
-AllowDomainOpt = Annotated[
-    list[str] | None,
-    typer.Option("--allow-domain", help="Allow egress to a domain (*.example.com for subdomains)."),
-]
-AllowCidrOpt = Annotated[
-    list[str] | None, typer.Option("--allow-cidr", help="Allow egress to an address range.")
-]
-DenyCidrOpt = Annotated[
-    list[str] | None, typer.Option("--deny-cidr", help="Never allow egress to an address range.")
-]
-TimeoutOpt = Annotated[float | None, typer.Option("--timeout", help="Time to live in seconds.")]
-IdleOpt = Annotated[
-    float | None, typer.Option("--idle-timeout", help="Stop after this many idle seconds.")
-]
-SetupOpt = Annotated[
-    list[str] | None,
-    typer.Option("--setup", help="Setup command run once after create (repeatable, in order)."),
-]
-StartOpt = Annotated[str | None, typer.Option("--start", help="Main process, launched detached.")]
-ResumeOpt = Annotated[
-    str | None, typer.Option("--resume", help="Launched on resume (default: --start).")
-]
-PortOpt = Annotated[
-    list[int] | None,
-    typer.Option("--port", "-p", help="Expose a sandbox port on the host (repeatable)."),
-]
-CpusOpt = Annotated[float | None, typer.Option("--cpus", help="CPU limit in cores.")]
-MemoryOpt = Annotated[int | None, typer.Option("--memory", help="Memory limit in MiB.")]
-PidsOpt = Annotated[int | None, typer.Option("--pids", help="Process limit.")]
-DiskOpt = Annotated[int | None, typer.Option("--disk", help="Writable layer size in MiB.")]
-OwnerOpt = Annotated[str | None, typer.Option("--owner", help="Owner name.")]
-GitOpt = Annotated[
-    str | None, typer.Option("--git", help="Repository URL cloned into the workdir.")
-]
-GitRevOpt = Annotated[
-    str | None, typer.Option("--git-revision", help="Branch, tag or commit to check out.")
-]
-GitDepthOpt = Annotated[int | None, typer.Option("--git-depth", help="Shallow clone depth.")]
-GitAuthOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--git-auth",
-        envvar="SANDLOT_GIT_AUTH",
-        help="Authorization header value for the clone (never stored).",
-        show_envvar=True,
-    ),
-]
-OptionOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--option",
-        "-o",
-        help="Backend option BACKEND.KEY=VALUE (value parsed as JSON if it can be).",
-    ),
-]
-CaCertOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--ca-cert",
-        help=(
-            "Trust this CA inside the sandbox: a PEM file, or 'host' for the CAs this host adds "
-            "to its distribution's (/usr/local/share/ca-certificates); repeatable."
-        ),
-    ),
-]
-SpecOpt = Annotated[
-    Path | None,
-    typer.Option("--spec", help="A whole spec as a JSON or TOML file; options override it."),
-]
-
-
 def _backend_options(values: list[str] | None) -> dict[str, dict[str, object]]:
+    from sandlot.backends.options import check_backend_options
+
     out: dict[str, dict[str, object]] = {}
     for key, raw in parse_pairs(values, "--option").items():
         backend, dot, name = key.partition(".")
@@ -185,6 +98,9 @@ def _backend_options(values: list[str] | None) -> dict[str, dict[str, object]]:
 def spec_from_options(v: dict[str, object]) -> SandboxSpec:
     """The spec the options (by parameter name) describe: ``--spec`` file first, options
     over it."""
+    from sandlot.backends.options import check_backend_options
+    from sandlot.models import SandboxSpec, parse_model
+
     spec_file = v.get("spec")
     base: dict[str, object] = _load_spec_file(spec_file) if isinstance(spec_file, Path) else {}
     fields: dict[str, object] = {}
@@ -264,6 +180,8 @@ def _ca_certificates(from_file: object, given: list[str]) -> list[object] | None
     on this machine, which the sandbox's host (a server) may not have."""
     if not given:
         return None
+    from sandlot.backends import trust
+
     out: list[object] = list(from_file) if isinstance(from_file, list) else []
     for item in given:
         if item == trust.HOST:
