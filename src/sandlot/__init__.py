@@ -7,9 +7,12 @@ One API over several isolation backends, with records in a real database. Start 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from sandlot._version import __version__
+
+# Not typing.TYPE_CHECKING: importing typing is most of what `sandlot --version` would cost
+# (type checkers treat any name TYPE_CHECKING as true).
+TYPE_CHECKING = False
 
 if TYPE_CHECKING:
     from sandlot.errors import (

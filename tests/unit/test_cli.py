@@ -245,8 +245,9 @@ def test_list_offers_every_status_by_its_value() -> None:
     assert [s.value for s in StatusName] == [s.value for s in SandboxStatus]
 
 
-# What a start-up must not pay for: `--version` imports nothing but the version, and
-# `--help` builds the whole command line without the SDK, the store, pydantic or anyio.
+# What a start-up must not pay for: `--version` imports nothing but the version (not even
+# typing, most of what is left), and `--help` builds the whole command line without the
+# SDK, the store, pydantic or anyio.
 _IMPORTED = (
     "import sys; from sandlot.cli import main; sys.argv[1:] = {args!r}\n"
     "try:\n    main()\nexcept SystemExit:\n    pass\n"
@@ -266,7 +267,16 @@ _IMPORTED = (
 def test_a_quick_command_imports_only_what_it_needs(
     args: list[str], allowed: set[str] | None, heavy: set[str]
 ) -> None:
-    names = {"sandlot", "typer", "pydantic", "sqlalchemy", "anyio", "httpx", "cryptography"}
+    names = {
+        "sandlot",
+        "typer",
+        "typing",
+        "pydantic",
+        "sqlalchemy",
+        "anyio",
+        "httpx",
+        "cryptography",
+    }
     code = _IMPORTED.format(args=args, names=names)
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
@@ -282,3 +292,32 @@ def test_a_quick_command_imports_only_what_it_needs(
         *(m for m in imported if m.startswith("sandlot.cli")),
     }
     assert "sandlot.cli.doctor" not in imported
+
+
+def test_the_command_table_names_each_commands_module() -> None:
+    """A command line that names a command loads only its module (typer builds every
+    registered command on each start); the table saying which module that is must match
+    what the modules register, or a command would go missing."""
+    code = (
+        "import json; from sandlot.cli import app as m\n"
+        "m.load_commands()\n"
+        "found = {}\n"
+        "for c in m.app.registered_commands:\n"
+        "    name = c.name or c.callback.__name__.replace('_', '-')\n"
+        "    found[name] = c.callback.__module__.rpartition('.')[2]\n"
+        "for g in m.app.registered_groups:\n"
+        "    cb = g.typer_instance.registered_commands[0].callback\n"
+        "    found[g.name] = cb.__module__.rpartition('.')[2]\n"
+        "found['doctor'] = 'doctor'\n"
+        "print(json.dumps([found, m.COMMANDS, list(m.MODULES)]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    found, table, modules = json.loads(proc.stdout)
+    assert found == table
+    assert set(table.values()) == set(modules)
+    # And each command works when it is the only module loaded (one per module here).
+    assert sandlot("list", "--json", check=True).stdout.strip() == "[]"
+    assert "checks" in json.loads(sandlot("--backend", "fake", "doctor", "--json").stdout)
+    assert sandlot("intents", "list", "--json", check=True).stdout.strip() == "[]"

@@ -5,7 +5,8 @@ Every command takes ``--json`` for scripts; errors print one line (``error: …`
 object with ``--json``) and exit 1, usage errors exit 2, and ``exec``/``run`` exit with the
 command's own code. State lives under ``$SANDLOT_HOME`` so each invocation sees the last
 one's sandboxes. The commands live in the modules beside this one and register themselves on
-:data:`app` when imported, at the end of this module, in the order ``--help`` lists them.
+:data:`app` when imported: :func:`load_commands` imports those a command line needs (all of
+them for ``--help``), so importing this module alone registers none.
 
 Start-up is most of a short command's time, so nothing heavy is imported here or by a
 command module at import time: the SDK (and through it the store, the gate and the
@@ -298,6 +299,7 @@ def _main_json() -> int:
 
 def main() -> None:
     """The console script entry point."""
+    load_commands(sys.argv[1:])
     try:
         args = sys.argv[1:]
         ours = args[: args.index("--")] if "--" in args else args  # not the command's own
@@ -312,14 +314,8 @@ def main() -> None:
 
 
 # -- the commands ---------------------------------------------------------------------------
-# Each module registers its commands on `app` as it is imported: `--help` lists them in the
-# order of these imports (after this module's names exist, which the modules import).
-
-for _module in ("sandboxes", "execute", "files", "lifecycle"):
-    importlib.import_module(f"sandlot.cli.{_module}")
 
 
-@app.command()
 def doctor(as_json: JsonOpt = False) -> None:
     """Check which backends work on this host, and how to fix those that don't."""
     from sandlot.cli.doctor import run_doctor
@@ -328,5 +324,81 @@ def doctor(as_json: JsonOpt = False) -> None:
     raise typer.Exit(run_doctor(home, _settings.database, as_json=as_json, console=out))
 
 
-for _module in ("governance", "images", "network", "server_cmds", "shell"):
-    importlib.import_module(f"sandlot.cli.{_module}")
+MODULES = (
+    "sandboxes",
+    "execute",
+    "files",
+    "lifecycle",
+    "doctor",
+    "governance",
+    "images",
+    "network",
+    "server_cmds",
+    "shell",
+)
+"""The modules that register commands on :data:`app` when imported (``doctor`` is the
+command above), in the order ``--help`` lists their commands."""
+
+COMMANDS = {
+    **dict.fromkeys(("create", "list", "get"), "sandboxes"),
+    **dict.fromkeys(("exec", "run", "logs"), "execute"),
+    **dict.fromkeys(("write-file", "read-file", "list-files"), "files"),
+    **dict.fromkeys(
+        (
+            "stop",
+            "resume",
+            "destroy",
+            "reset",
+            "keep-alive",
+            "expose-port",
+            "list-ports",
+            "snapshot",
+            "restore",
+            "fork",
+            "reconcile",
+        ),
+        "lifecycle",
+    ),
+    "doctor": "doctor",
+    **dict.fromkeys(("receipts", "keys", "approvals", "policy", "intents"), "governance"),
+    "images": "images",
+    "network": "network",
+    **dict.fromkeys(("serve", "mcp", "api-keys"), "server_cmds"),
+    "shell": "shell",
+}
+"""Which module registers each command and group (a test keeps this equal to what the
+modules register)."""
+
+_GLOBAL_WITH_VALUE = frozenset({"--backend", "-b", "--home", "--database"})
+_loaded: set[str] = set()
+
+
+def load_commands(args: list[str] | None = None) -> None:
+    """Register the commands a command line needs on :data:`app`: when ``args`` name a known
+    command, only its module's (typer builds every registered command's parameters on each
+    start, a third of a short command's start-up with all of them); else (``--help``, no
+    command, a typo for "did you mean") all of them."""
+    name = _command_name(args or [])
+    module = COMMANDS.get(name) if name is not None else None
+    for m in (module,) if module is not None else MODULES:
+        if m in _loaded:
+            continue
+        _loaded.add(m)
+        if m == "doctor":
+            app.command("doctor")(doctor)
+        else:
+            importlib.import_module(f"sandlot.cli.{m}")
+
+
+def _command_name(args: list[str]) -> str | None:
+    """The command a command line names: its first word that is not a global option or an
+    option's value."""
+    words = iter(args)
+    for word in words:
+        if word == "--":
+            return None
+        if word in _GLOBAL_WITH_VALUE:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
