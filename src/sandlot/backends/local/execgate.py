@@ -4,8 +4,8 @@ In ``strict`` enforcement the sandbox's seccomp profile answers ``execve`` and `
 ``SCMP_ACT_NOTIFY``: the calling thread stops in the kernel, and whoever holds the filter's
 notify fd decides. crun hands that fd over a unix socket (the OCI ``linux.seccomp.listenerPath``)
 with ``SCM_RIGHTS``, together with the OCI state as JSON. :class:`ExecGate` owns that socket and
-a thread that, for each notification, reads the program's path, its argv (from
-``/proc/PID/mem``, at the pointers in the syscall's arguments) and its working directory, asks an
+a thread that, for each notification, reads the program's path, its argv (with
+``process_vm_readv``, at the pointers in the syscall's arguments) and its working directory, asks an
 injected ``decide(path, argv, cwd) -> bool``, and answers the kernel: continue the call, or fail
 it with ``EPERM``. The module knows nothing of policy, receipts or the Manager.
 
@@ -31,7 +31,7 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +78,8 @@ _EXEC_CALLS: dict[tuple[int, int], tuple[int, int, int, bool]] = {
 
 _NOTIF = struct.Struct("=QIIiIQ6Q")  # id, pid, flags, data{nr, arch, ip, args[6]}
 _RESP = struct.Struct("=QqiI")  # id, val, error, flags
+_ID = struct.Struct("=Q")
+_POINTER = {8: struct.Struct("=Q"), 4: struct.Struct("=I")}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _ioctl = _libc.ioctl
@@ -119,33 +121,99 @@ def _ioctl_checked(fd: int, request: int, buf: ctypes.Array[ctypes.c_char]) -> N
         raise OSError(e, os.strerror(e))
 
 
+_process_vm_readv = _libc.process_vm_readv
+_process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+_process_vm_readv.restype = ctypes.c_ssize_t
+
+_PAGE = 4096
+_PAGE_MASK = ~(_PAGE - 1)
+
+
+@final
 class _Memory:
-    """Another process's memory by whole pages, each read once: argv strings usually sit
-    side by side, so one ``pread`` serves several."""
+    """Another process's memory by whole pages, each read once, the pages one step of the
+    parse needs in one ``process_vm_readv``: the path and the argv array together, then every
+    argv string at once. Two system calls for a usual exec, where ``/proc/PID/mem`` took an
+    open, a read per page and a close.
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    ``process_vm_readv`` needs the same ptrace access as ``/proc/PID/mem`` and, unlike it,
+    honours page protections, as the kernel's own copy of the strings at ``execve`` does: a
+    page it cannot read is one the exec would fail on (``EFAULT``), so it is a deny.
+
+    One per serving thread: the buffers are reused from call to call (no allocation of them
+    on the path every exec waits on).
+    """
+
+    SLOTS = 32
+
+    def __init__(self) -> None:
+        self.pid = 0
         self.pages: dict[int, bytes] = {}
+        self._buf = ctypes.create_string_buffer(self.SLOTS * _PAGE)
+        self._view = memoryview(self._buf).cast("B")
+        # struct iovec arrays as (base, length) pairs of size_t
+        self._local = (ctypes.c_size_t * 2)(ctypes.addressof(self._buf), 0)
+        self._remote = (ctypes.c_size_t * (2 * self.SLOTS))(*(0, _PAGE) * self.SLOTS)
 
-    def page(self, addr: int) -> bytes:
-        base = addr - addr % 4096
+    def reset(self, pid: int) -> None:
+        self.pid = pid
+        self.pages.clear()
+
+    def fetch(self, addrs: Iterable[int]) -> None:
+        """Read the pages holding ``addrs`` that are not read yet.
+
+        Raises:
+            OSError: One of them cannot be read (``EFAULT``), or the process is gone.
+        """
+        bases = sorted({a & _PAGE_MASK for a in addrs} - self.pages.keys())
+        remote = self._remote
+        for at in range(0, len(bases), self.SLOTS):
+            batch = bases[at : at + self.SLOTS]
+            for i, base in enumerate(batch):
+                remote[2 * i] = base
+            want = len(batch) * _PAGE
+            self._local[1] = want
+            got = _process_vm_readv(self.pid, self._local, 1, remote, len(batch), 0)
+            if got < 0:
+                e = ctypes.get_errno()
+                raise OSError(e, os.strerror(e))
+            view = self._view
+            for i in range(got // _PAGE):
+                self.pages[batch[i]] = bytes(view[i * _PAGE : (i + 1) * _PAGE])
+            if got != want:  # a transfer stops at the first page it cannot read
+                raise OSError(errno.EFAULT, "unreadable memory")
+
+    def page(self, addr: int) -> tuple[bytes, int]:
+        """The page holding ``addr`` and the offset of ``addr`` in it."""
+        base = addr & _PAGE_MASK
         data = self.pages.get(base)
         if data is None:
-            data = self.pages[base] = os.pread(self.fd, 4096, base)
-        return data[addr - base :]
+            self.fetch((addr,))
+            data = self.pages[base]
+        return data, addr - base
 
     def cstring(self, addr: int, limit: int) -> bytes:
+        data, at = self.page(addr)
+        end = data.find(b"\0", at, at + limit)
+        if end >= 0:  # the usual case: the whole string in one page
+            return data[at:end]
         out = bytearray()
         while len(out) < limit:
-            data = self.page(addr)[: limit - len(out)]
-            if not data:
-                raise OSError(errno.EFAULT, "unreadable string")
-            end = data.find(b"\0")
+            data, at = self.page(addr)
+            chunk = data[at : at + limit - len(out)]
+            end = chunk.find(b"\0")
             if end >= 0:
-                out += data[:end]
+                out += chunk[:end]
                 return bytes(out)
-            out += data
-            addr += len(data)
+            out += chunk
+            addr += len(chunk)
         raise OSError(errno.E2BIG, "string too long")
 
 
@@ -153,8 +221,13 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
-def read_exec_call(pid: int, nr: int, arch: int, args: tuple[int, ...]) -> ExecCall:
+def read_exec_call(
+    pid: int, nr: int, arch: int, args: tuple[int, ...], memory: _Memory | None = None
+) -> ExecCall:
     """Read the program, argv and cwd of a stopped exec call.
+
+    Args:
+        memory: A reader to reuse (the serving thread's own); a new one if None.
 
     Raises:
         OSError: Not an exec call this module knows, or memory that cannot be read.
@@ -164,30 +237,32 @@ def read_exec_call(pid: int, nr: int, arch: int, args: tuple[int, ...]) -> ExecC
         raise OSError(errno.ENOSYS, f"not an exec call: arch {arch:#x} nr {nr}")
     width, path_at, argv_at, is_at = shape
     mask = (1 << (8 * width)) - 1
-    budget = MAX_BYTES
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        mem = _Memory(fd)
-        raw_path = mem.cstring(args[path_at] & mask, budget)
-        budget -= len(raw_path) + 1
-        argv: list[str] = []
-        slot = args[argv_at] & mask
-        pointer = "=Q" if width == 8 else "=I"
-        while slot:  # a NULL argv is an empty one (Linux accepts it)
-            if len(argv) >= MAX_ARGS:
-                raise OSError(errno.E2BIG, "argv too long")
-            data = mem.page(slot)[:width]
-            if len(data) != width:
-                raise OSError(errno.EFAULT, "unreadable argv")
-            (ptr,) = struct.unpack(pointer, data)
-            if ptr == 0:
-                break
-            arg = mem.cstring(ptr, budget)
-            budget -= len(arg) + 1
-            argv.append(_decode(arg))
-            slot += width
-    finally:
-        os.close(fd)
+    mem = memory if memory is not None else _Memory()
+    mem.reset(pid)
+    path_addr = args[path_at] & mask
+    slot = args[argv_at] & mask
+    mem.fetch((path_addr, slot) if slot else (path_addr,))
+    raw_path = mem.cstring(path_addr, MAX_BYTES)
+    budget = MAX_BYTES - len(raw_path) - 1
+    pointer = _POINTER[width]
+    pointers: list[int] = []
+    while slot:  # a NULL argv is an empty one (Linux accepts it)
+        if len(pointers) >= MAX_ARGS:
+            raise OSError(errno.E2BIG, "argv too long")
+        data, at = mem.page(slot)
+        if at + width > _PAGE:  # across two pages: only a misaligned array (which Linux takes)
+            data, at = data[at:] + mem.page(slot - at + _PAGE)[0][: width - _PAGE + at], 0
+        (ptr,) = pointer.unpack_from(data, at)
+        if ptr == 0:
+            break
+        pointers.append(ptr)
+        slot += width
+    mem.fetch(pointers)
+    argv: list[str] = []
+    for ptr in pointers:
+        arg = mem.cstring(ptr, budget)
+        budget -= len(arg) + 1
+        argv.append(_decode(arg))
     # os.readlink: Path.readlink costs five times as much, on the path every exec waits on.
     cwd = os.readlink(f"/proc/{pid}/cwd")  # noqa: PTH115
     path = _decode(raw_path)
@@ -240,18 +315,20 @@ class _Listener:
         self.fd = fd
         self.lock = threading.Lock()
         self.closed = False
+        # Filled under the lock: one pair serves the reading thread and the deciding ones.
+        self._ident = ctypes.create_string_buffer(_ID.size)
+        self._send = ctypes.create_string_buffer(_RESP.size)
 
     def answer(self, notif_id: int, *, allow: bool) -> bool:
         """Send the answer; False if the call is gone (its caller died) or the fd is closed."""
-        ident = ctypes.create_string_buffer(8)
-        struct.pack_into("=Q", ident, 0, notif_id)
-        send = ctypes.create_string_buffer(_RESP.size)
-        _RESP.pack_into(
-            send, 0, notif_id, 0, 0 if allow else -errno.EPERM, _FLAG_CONTINUE if allow else 0
-        )
+        ident, send = self._ident, self._send
         with self.lock:
             if self.closed:
                 return False
+            _ID.pack_into(ident, 0, notif_id)
+            _RESP.pack_into(
+                send, 0, notif_id, 0, 0 if allow else -errno.EPERM, _FLAG_CONTINUE if allow else 0
+            )
             # Checked after the caller's memory was read: had it died and its pid been
             # reused, what was read belongs to another process, and no answer may be sent.
             try:
@@ -409,6 +486,7 @@ class ExecGate:
     def _serve(self, listener: _Listener) -> None:
         fd = listener.fd
         recv = ctypes.create_string_buffer(_NOTIF.size)
+        memory = _Memory()
         poller = self._poller(fd)
         while not self._stopping(fd, poller):
             ctypes.memset(recv, 0, _NOTIF.size)  # RECV refuses a buffer that is not zeroed
@@ -418,9 +496,9 @@ class ExecGate:
                 if e.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: the caller died first
                     continue
                 raise
-            notif_id, pid, _flags, nr, arch, _ip, *args = _NOTIF.unpack(recv.raw)
+            notif_id, pid, _flags, nr, arch, _ip, *args = _NOTIF.unpack_from(recv)
             try:
-                call: ExecCall | None = read_exec_call(pid, nr, arch, tuple(args))
+                call: ExecCall | None = read_exec_call(pid, nr, arch, tuple(args), memory)
             except (OSError, ValueError):
                 call = None
             if call is None:
