@@ -325,3 +325,23 @@ def test_a_misaligned_argv_across_pages_is_read(gate: tuple[ExecGate, Recorder])
     out = run(g, sys.executable, "-c", code)
     assert out.returncode == 0, out.stderr
     assert rec.calls[-1].argv == ("straddled",)
+
+
+def test_a_program_that_is_not_there_fails_as_the_kernel_would(
+    gate: tuple[ExecGate, Recorder], tmp_path: Path
+) -> None:
+    # A PATH search tries each entry: those that hold no such file are answered ENOENT with
+    # nothing decided; the one that exists is decided as before.
+    g, rec = gate
+    missing = tmp_path / "nowhere"
+    code = (
+        "import os, subprocess;"
+        f" os.environ['PATH'] = '{missing}:{missing}2:/usr/bin';"
+        "\ntry: subprocess.run(['rm', '-rf', '/nonexistent-strict-test'])"
+        "\nexcept PermissionError: print('denied', flush=True)"
+        f"\nos.execv('{missing}/rm', ['rm'])"
+    )
+    out = run(g, sys.executable, "-c", code)
+    assert out.stdout == "denied\n", out
+    assert "No such file or directory" in out.stderr, out.stderr
+    assert [c.path for c in rec.calls] == [sys.executable, "/usr/bin/rm"]

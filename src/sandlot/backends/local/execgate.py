@@ -42,6 +42,7 @@ __all__ = [
     "MAX_BYTES",
     "ExecCall",
     "ExecGate",
+    "absent",
     "notif_sizes",
     "read_exec_call",
     "shares_memory",
@@ -59,6 +60,9 @@ _NOTIF_SEND = 0xC0182101
 _NOTIF_ID_VALID = 0x40082102
 _FLAG_CONTINUE = 1
 _NR_SECCOMP = 317  # x86-64
+_NR_OPENAT2 = 437
+_RESOLVE_IN_ROOT = 0x10
+_OPEN_HOW = struct.Struct("=QQQ")  # flags, mode, resolve
 
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _AUDIT_ARCH_I386 = 0x40000003
@@ -76,12 +80,18 @@ _EXEC_CALLS: dict[tuple[int, int], tuple[int, int, int, bool]] = {
     (_AUDIT_ARCH_I386, 358): (4, 1, 2, True),
 }
 
+_EXECVE = frozenset(key for key, shape in _EXEC_CALLS.items() if not shape[3])
+"""The plain ``execve`` numbers: an ``execveat`` path may be relative to a directory fd, whose
+name as the host reads it means nothing inside the caller's root."""
+
 _NOTIF = struct.Struct("=QIIiIQ6Q")  # id, pid, flags, data{nr, arch, ip, args[6]}
 _RESP = struct.Struct("=QqiI")  # id, val, error, flags
 _ID = struct.Struct("=Q")
 _POINTER = {8: struct.Struct("=Q"), 4: struct.Struct("=I")}
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
 _ioctl = _libc.ioctl
 _ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
 _ioctl.restype = ctypes.c_int
@@ -90,9 +100,7 @@ _ioctl.restype = ctypes.c_int
 def notif_sizes() -> tuple[int, int, int]:
     """The kernel's sizes of ``seccomp_notif``, ``seccomp_notif_resp`` and ``seccomp_data``."""
     buf = ctypes.create_string_buffer(6)
-    syscall = _libc.syscall
-    syscall.restype = ctypes.c_long
-    if syscall(_NR_SECCOMP, _SECCOMP_GET_NOTIF_SIZES, 0, buf) != 0:
+    if _syscall(_NR_SECCOMP, _SECCOMP_GET_NOTIF_SIZES, 0, buf) != 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e))
     sizes = struct.unpack("=HHH", buf.raw)
@@ -275,6 +283,32 @@ def read_exec_call(
     return ExecCall(pid=pid, path=path, argv=tuple(argv), cwd=cwd)
 
 
+def absent(pid: int, path: str) -> bool:
+    """Whether the absolute ``path`` names nothing inside the root of process ``pid``: its
+    ``execve`` would fail with ``ENOENT``, so failing it so from outside lets nothing run.
+
+    Resolved with ``openat2`` and ``RESOLVE_IN_ROOT`` from the process's root (an absolute
+    symlink inside stays inside, as it does for the process). A file made between this look
+    and the answer makes no difference: the call is answered ``ENOENT`` and never continues.
+    False whenever that cannot be told (a relative path, the process gone, another error).
+    """
+    if not path.startswith("/"):
+        return False
+    try:
+        root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        how = _OPEN_HOW.pack(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_IN_ROOT)
+        fd = _syscall(_NR_OPENAT2, root, os.fsencode(path), how, len(how))
+        if fd >= 0:
+            os.close(fd)
+            return False
+        return ctypes.get_errno() == errno.ENOENT
+    finally:
+        os.close(root)
+
+
 def shares_memory(pid: int) -> bool:
     """Whether another task could write the memory of thread ``pid`` (the race above).
 
@@ -319,15 +353,16 @@ class _Listener:
         self._ident = ctypes.create_string_buffer(_ID.size)
         self._send = ctypes.create_string_buffer(_RESP.size)
 
-    def answer(self, notif_id: int, *, allow: bool) -> bool:
-        """Send the answer; False if the call is gone (its caller died) or the fd is closed."""
+    def answer(self, notif_id: int, *, allow: bool, error: int = errno.EPERM) -> bool:
+        """Send the answer (a refusal fails the call with ``error``); False if the call is
+        gone (its caller died) or the fd is closed."""
         ident, send = self._ident, self._send
         with self.lock:
             if self.closed:
                 return False
             _ID.pack_into(ident, 0, notif_id)
             _RESP.pack_into(
-                send, 0, notif_id, 0, 0 if allow else -errno.EPERM, _FLAG_CONTINUE if allow else 0
+                send, 0, notif_id, 0, 0 if allow else -error, _FLAG_CONTINUE if allow else 0
             )
             # Checked after the caller's memory was read: had it died and its pid been
             # reused, what was read belongs to another process, and no answer may be sent.
@@ -501,19 +536,31 @@ class ExecGate:
                 call: ExecCall | None = read_exec_call(pid, nr, arch, tuple(args), memory)
             except (OSError, ValueError):
                 call = None
-            if call is None:
-                allow: bool | None = False
-            elif self._quick is None:
-                allow = self._decided(call)
-            else:
+            allow: bool | None = False
+            if call is not None and self._quick is not None:
                 try:
                     allow = self._quick(call)
                 except Exception:  # any failure of the decision is a deny, never a crash
                     allow = False
-            if allow is None and call is not None:
-                self._pool_for().submit(self._decide_later, listener, notif_id, call)
-                continue
-            listener.answer(notif_id, allow=bool(allow))
+            elif call is not None:
+                allow = None
+            if (
+                allow is None
+                and call is not None
+                and (arch, nr) in _EXECVE
+                and absent(pid, call.path)
+            ):
+                # A shell or execvp trying each PATH entry: answered as the kernel would,
+                # with nothing to decide (and no receipt for a program that is not there).
+                listener.answer(notif_id, allow=False, error=errno.ENOENT)
+            elif allow is None and call is not None:
+                if self._quick is None:
+                    listener.answer(notif_id, allow=self._decided(call))
+                else:
+                    self._pool_for().submit(self._decide_later, listener, notif_id, call)
+                    continue
+            else:
+                listener.answer(notif_id, allow=bool(allow))
             self.decided += 1
 
     def _pool_for(self) -> ThreadPoolExecutor:
