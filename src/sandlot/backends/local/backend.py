@@ -73,7 +73,7 @@ import anyio.to_thread
 
 from sandlot.backends import trust
 from sandlot.backends.base import BackendState, Capabilities, SnapshotRef
-from sandlot.backends.local import layers, oci, rootless
+from sandlot.backends.local import layers, oci, protect, rootless
 from sandlot.backends.local.channel import LocalChannel, read_oom_kills
 from sandlot.backends.local.execgate import ExecCall, ExecGate
 from sandlot.backends.local.ids import RANGE_SIZE, UidRanges
@@ -615,6 +615,7 @@ class LocalBackend:
             raise InvalidRequest(msg)
         options = spec.options_for("local")
         check_backend_options({"local": options})  # declared in sandlot.backends.options
+        protect.check(spec)
         isolation = str(options.get("isolation", "namespaces"))
         kind = spec.network if isinstance(spec.network, str) else "allowlist"
         if _strict(spec) and (isolation != "namespaces" or self._idmap is not None):
@@ -993,6 +994,7 @@ class LocalBackend:
             exec_listener=str(self._exec_listener(meta)) if _strict(spec) else None,
         )
         doc = oci.build(cfg)
+        protect.apply(doc, spec)
         linux = doc["linux"]
         profile = linux.get("seccomp") if isinstance(linux, dict) else None
         rt = self._runtimes[meta.runtime]
