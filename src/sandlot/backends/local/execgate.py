@@ -180,7 +180,12 @@ class _Memory:
         Raises:
             OSError: One of them cannot be read (``EFAULT``), or the process is gone.
         """
-        bases = sorted({a & _PAGE_MASK for a in addrs} - self.pages.keys())
+        pages = self.pages
+        wanted = {a & _PAGE_MASK for a in addrs}
+        wanted.difference_update(pages)
+        if not wanted:  # the usual second step: the strings sit on pages already read
+            return
+        bases = sorted(wanted)
         remote = self._remote
         for at in range(0, len(bases), self.SLOTS):
             batch = bases[at : at + self.SLOTS]
@@ -194,7 +199,7 @@ class _Memory:
                 raise OSError(e, os.strerror(e))
             view = self._view
             for i in range(got // _PAGE):
-                self.pages[batch[i]] = bytes(view[i * _PAGE : (i + 1) * _PAGE])
+                pages[batch[i]] = view[i * _PAGE : (i + 1) * _PAGE].tobytes()
             if got != want:  # a transfer stops at the first page it cannot read
                 raise OSError(errno.EFAULT, "unreadable memory")
 
@@ -254,10 +259,10 @@ def read_exec_call(
     budget = MAX_BYTES - len(raw_path) - 1
     pointer = _POINTER[width]
     pointers: list[int] = []
+    data, at = mem.page(slot) if slot else (b"", 0)
     while slot:  # a NULL argv is an empty one (Linux accepts it)
         if len(pointers) >= MAX_ARGS:
             raise OSError(errno.E2BIG, "argv too long")
-        data, at = mem.page(slot)
         if at + width > _PAGE:  # across two pages: only a misaligned array (which Linux takes)
             data, at = data[at:] + mem.page(slot - at + _PAGE)[0][: width - _PAGE + at], 0
         (ptr,) = pointer.unpack_from(data, at)
@@ -265,6 +270,9 @@ def read_exec_call(
             break
         pointers.append(ptr)
         slot += width
+        at += width
+        if at >= len(data):
+            data, at = mem.page(slot)
     mem.fetch(pointers)
     argv: list[str] = []
     for ptr in pointers:
