@@ -297,6 +297,9 @@ class Manager:
         self._used: dict[str, Backend] = {}
         self._recent: dict[str, tuple[SandboxInfo, float]] = {}
         self._busy: dict[str, int] = {}
+        self._program_subjects: dict[str, tuple[Actor, Resource]] = {}
+        """Per strict sandbox: who its programs are decided as, and the sandbox as the policy
+        sees it (see :meth:`_decide_program`)."""
         """Operations in flight per sandbox in this process (the idle reaper leaves them be)."""
         self._wakeups = Wakeups()
         """Repeats of a keyed call run here, waiting for it to end."""
@@ -426,15 +429,26 @@ class Manager:
         """A program started inside a strict sandbox, stopped in the kernel: decided and
         receipted as ``exec.program`` (the binary as the caller named it, then its arguments;
         ``argv[0]`` is the caller's to choose, so the program is the path), as the sandbox's
-        owner without admin rights (the kernel does not say who typed the command)."""
-        try:
-            sb = await self.store.get(sandbox_id)
-        except NotFound:
-            return False
-        actor = Actor(tenant=sb.tenant, principal=sb.owner or SYSTEM_PRINCIPAL)
+        owner without admin rights (the kernel does not say who typed the command).
+
+        Who that is and what the policy sees of the sandbox (its id, spec, backend, tenant)
+        are fixed for its life, so its record is read once, not on every new program.
+        """
+        subject = self._program_subjects.get(sandbox_id)
+        if subject is None:
+            try:
+                sb = await self.store.get(sandbox_id)
+            except NotFound:
+                return False
+            actor = Actor(tenant=sb.tenant, principal=sb.owner or SYSTEM_PRINCIPAL)
+            subject = (actor, Resource.of(sb))
+            if len(self._program_subjects) >= 4096:  # a bound, not an eviction policy
+                self._program_subjects.clear()
+            self._program_subjects[sandbox_id] = subject
+        actor, resource = subject
         command = [call.path, *call.argv[1:]]
         try:
-            async with self._gated(actor, "exec.program", sb, command=command, cwd=call.cwd):
+            async with self._gated(actor, "exec.program", resource, command=command, cwd=call.cwd):
                 return True
         except PolicyDenied:
             return False
