@@ -4,8 +4,8 @@ A policy decides on the path a request names; a symlink planted inside the sandb
 an interpreter can carry a write somewhere the request does not say. The kernel cannot be
 talked around: ``backend_options.local.protected_paths`` lists paths made read-only inside
 the sandbox (every write under them fails with ``EROFS``, however it is spelled), and
-``hidden_paths`` paths made absent (an empty read-only directory, or an empty file, in their
-place). Both go into the OCI ``linux.readonlyPaths`` and ``linux.maskedPaths``: the runtime
+``hidden_paths`` paths made absent (an empty read-only directory in their place; a file is
+covered by ``/dev/null``, which reads empty and discards writes). Both go into the OCI ``linux.readonlyPaths`` and ``linux.maskedPaths``: the runtime
 resolves each inside the sandbox's root at every start (a symlink in the sandbox resolves
 inside it, never to the host) and bind-mounts it onto itself read-only, or masks it.
 
