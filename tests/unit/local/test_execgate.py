@@ -345,3 +345,21 @@ def test_a_program_that_is_not_there_fails_as_the_kernel_would(
     assert out.stdout == "denied\n", out
     assert "No such file or directory" in out.stderr, out.stderr
     assert [c.path for c in rec.calls] == [sys.executable, "/usr/bin/rm"]
+
+
+def test_a_program_that_appears_where_one_was_missing_is_decided(
+    gate: tuple[ExecGate, Recorder], tmp_path: Path
+) -> None:
+    # A path once answered ENOENT is looked up again: a program put there is decided.
+    g, rec = gate
+    where = tmp_path / "later"
+    code = (
+        "import os, shutil"
+        f"\ntry: os.execv('{where}/tool', ['tool'])"
+        "\nexcept FileNotFoundError: print('missing', flush=True)"
+        f"\nos.mkdir('{where}'); shutil.copy('/usr/bin/true', '{where}/tool')"
+        f"\nos.execv('{where}/tool', ['tool', 'now'])"
+    )
+    out = run(g, sys.executable, "-c", code)
+    assert (out.returncode, out.stdout) == (0, "missing\n"), out
+    assert [c.argv for c in rec.calls][1:] == [("tool", "now")]

@@ -245,17 +245,32 @@ def read_exec_call(
     Raises:
         OSError: Not an exec call this module knows, or memory that cannot be read.
     """
+    mem = memory if memory is not None else _Memory()
+    mem.reset(pid)
+    raw_path = _read_path(mem, nr, arch, args)
+    return _read_rest(mem, nr, arch, args, raw_path)
+
+
+def _read_path(mem: _Memory, nr: int, arch: int, args: tuple[int, ...]) -> bytes:
+    """The path as the caller passed it; the page of the argv array is read with it."""
     shape = _EXEC_CALLS.get((arch, nr))
     if shape is None:
         raise OSError(errno.ENOSYS, f"not an exec call: arch {arch:#x} nr {nr}")
-    width, path_at, argv_at, is_at = shape
+    width, path_at, argv_at, _ = shape
     mask = (1 << (8 * width)) - 1
-    mem = memory if memory is not None else _Memory()
-    mem.reset(pid)
     path_addr = args[path_at] & mask
     slot = args[argv_at] & mask
     mem.fetch((path_addr, slot) if slot else (path_addr,))
-    raw_path = mem.cstring(path_addr, MAX_BYTES)
+    return mem.cstring(path_addr, MAX_BYTES)
+
+
+def _read_rest(
+    mem: _Memory, nr: int, arch: int, args: tuple[int, ...], raw_path: bytes
+) -> ExecCall:
+    """The whole call, once :func:`_read_path` has read its path."""
+    width, _, argv_at, is_at = _EXEC_CALLS[(arch, nr)]
+    pid = mem.pid
+    slot = args[argv_at] & ((1 << (8 * width)) - 1)
     budget = MAX_BYTES - len(raw_path) - 1
     pointer = _POINTER[width]
     pointers: list[int] = []
@@ -434,6 +449,8 @@ class ExecGate:
         self._server.listen(4)
         self.state: dict[str, object] | None = None
         """The OCI state crun sent with the fd, once it has."""
+        self._missing: set[bytes] = set()
+        """Paths lately found absent (each is looked up again before it is answered)."""
         self.decided = 0
         """How many exec calls were answered (allowed or denied)."""
         self._serving: list[threading.Thread] = []
@@ -540,8 +557,17 @@ class ExecGate:
                     continue
                 raise
             notif_id, pid, _flags, nr, arch, _ip, *args = _NOTIF.unpack_from(recv)
+            memory.reset(pid)
+            plain = (arch, nr) in _EXECVE
             try:
-                call: ExecCall | None = read_exec_call(pid, nr, arch, tuple(args), memory)
+                raw_path = _read_path(memory, nr, arch, tuple(args))
+                if plain and raw_path in self._missing and absent(pid, _decode(raw_path)):
+                    # A PATH entry that held nothing the last time either: answered before
+                    # argv and cwd are read, for the shells that try several on each start.
+                    listener.answer(notif_id, allow=False, error=errno.ENOENT)
+                    self.decided += 1
+                    continue
+                call: ExecCall | None = _read_rest(memory, nr, arch, tuple(args), raw_path)
             except (OSError, ValueError):
                 call = None
             allow: bool | None = False
@@ -552,15 +578,13 @@ class ExecGate:
                     allow = False
             elif call is not None:
                 allow = None
-            if (
-                allow is None
-                and call is not None
-                and (arch, nr) in _EXECVE
-                and absent(pid, call.path)
-            ):
+            if allow is None and call is not None and plain and absent(pid, call.path):
                 # A shell or execvp trying each PATH entry: answered as the kernel would,
                 # with nothing to decide (and no receipt for a program that is not there).
                 listener.answer(notif_id, allow=False, error=errno.ENOENT)
+                if len(self._missing) >= 1024:  # a bound, not an eviction policy
+                    self._missing.clear()
+                self._missing.add(raw_path)
             elif allow is None and call is not None:
                 if self._quick is None:
                     listener.answer(notif_id, allow=self._decided(call))
