@@ -7,9 +7,10 @@ transitions (``_cas``, ``_begin``, ``_fail``, ``_drive``, ``_settled``), waking 
 operation (``_ready``), finding its backend on this host, and its channel.
 
 What a room provides to the others is declared here as an abstract method, so each room is
-type-checked against the others and a Manager missing a room cannot be made. Imports only the
-package's leaf modules (``tuning``, ``records``, ``commands``, ``intents``): never a room, a
-front end or a concrete backend.
+type-checked against the others and a Manager missing a room cannot be made. Of the package it
+imports only the leaf modules (``tuning``, ``records``, ``commands``, ``intents``), never a
+room; never a front end, nor a concrete backend (the local backend's ``ExecCall`` is named for
+type checking only).
 """
 
 from __future__ import annotations
