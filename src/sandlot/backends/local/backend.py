@@ -47,12 +47,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import hashlib
 import ipaddress
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -61,10 +59,9 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, final
 
 import anyio
 import anyio.from_thread
@@ -85,20 +82,27 @@ from sandlot.backends.local.mounts import (
     mount_small_tmpfs,
     umount_tree,
 )
-from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache, Storage, trust_bundle
+from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache, trust_bundle
 from sandlot.backends.local.rootless import IdMap
 from sandlot.backends.local.runtime import (
     Crun,
     Runsc,
     Runtime,
-    become_subreaper,
     process_alive,
     process_start_time,
     reap,
     wait_exit,
 )
+from sandlot.backends.local.state import (
+    ISOLATIONS,
+    POOL_PREFIX,
+    VALID_ID,
+    ExecDecider,
+    LocalState,
+    Meta,
+    is_strict,
+)
 from sandlot.backends.options import check_backend_options
-from sandlot.config import cache_dir
 from sandlot.errors import (
     BackendError,
     BackendUnavailable,
@@ -119,19 +123,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ISOLATIONS", "ExecDecider", "LocalBackend"]
 
-ExecDecider = Callable[[str, ExecCall], Coroutine[Any, Any, bool]]
-"""Decides a program started inside a strict sandbox: ``(sandbox_id, call) -> allowed``. Awaited
-on the event loop the sandbox was booted from, while the calling thread waits in the kernel."""
-
-
-def _strict(spec: SandboxSpec) -> bool:
-    return spec.options_for("local").get("enforcement") == "strict"
-
-
-ISOLATIONS: Mapping[str, str] = {"namespaces": "crun", "gvisor": "runsc"}
-"""``backend_options.local.isolation`` values and the runtime each one runs on."""
-
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _AGENT_IN = "/.sandlot/agent.py"
 _AGENT_PYC_IN = "/.sandlot/agent.pyc"
 _HOST_USR_IN = "/.sandlot/usr"
@@ -150,7 +141,6 @@ if s.fileno() != 3:
 os.set_inheritable(3, True)
 os.execv(sys.argv[2], sys.argv[2:])
 """
-_POOL_PREFIX = "slp-"
 _SYS_RENAMEAT2 = 316
 _RENAME_NOREPLACE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -168,63 +158,6 @@ def _rename_noreplace(src: Path, dst: Path) -> bool:
         return False
     msg = f"cannot move {src} to {dst}: {os.strerror(err)}"
     raise BackendError(msg)
-
-
-@dataclass
-class _Meta:
-    """What the backend records about one sandbox (``meta.json``)."""
-
-    sandbox_id: str
-    container: str
-    runtime: str
-    uid_base: int | None
-    layers: list[dict[str, JsonValue]]
-    spec: dict[str, JsonValue]
-    default_root: bool = True
-    image_env: list[str] = field(default_factory=list)
-    disk_mb: int | None = None
-    net_key: str | None = None
-    init: list[int] | None = None
-    host_pids: list[list[int]] = field(default_factory=list)
-    stop_reason: str | None = None
-    stop_detail: str = ""
-    booted: bool = False
-    created_at: float = field(default_factory=time.time)
-    baseline: dict[str, JsonValue] | None = None
-    """The state right after create: its lower layers and the digest of its upper layer."""
-    pristine: dict[str, JsonValue] | None = None
-    """What the last verified reset left: its target and the digest of the upper layer."""
-    idmap: dict[str, JsonValue] | None = None
-    """Rootless: the caller's id mapping the sandbox's files were made under."""
-    slirp: list[int] | None = None
-    """Rootless ``allow-all``: the slirp4netns process (pid, start time)."""
-
-    @property
-    def isolation(self) -> str:
-        return "gvisor" if self.runtime == "runsc" else "namespaces"
-
-    def spec_model(self) -> SandboxSpec:
-        return SandboxSpec.model_validate(self.spec)
-
-    @classmethod
-    def load(cls, path: Path) -> _Meta:
-        doc = json.loads(path.read_text())
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in doc.items() if k in known})
-
-    def save(self, path: Path) -> None:
-        # Every field is JSON data already; asdict's deep copy was most of a save's cost.
-        raw = json.dumps({k: getattr(self, k) for k in _META_FIELDS}, sort_keys=True).encode()
-        tmp = f"{path.parent}/.meta.{os.getpid()}.{secrets.token_hex(3)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, raw)
-        finally:
-            os.close(fd)
-        Path(tmp).replace(path)
-
-
-_META_FIELDS = tuple(_Meta.__dataclass_fields__)
 
 
 def _host_resolv_conf() -> str:
@@ -283,7 +216,7 @@ def _set_resolv_conf(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def _binds_resolv_conf(meta: _Meta, net: SandboxNetwork | None) -> bool:
+def _binds_resolv_conf(meta: Meta, net: SandboxNetwork | None) -> bool:
     """Whether a sandbox's ``/etc/resolv.conf`` is a host file of ours (``resolv.conf`` in its
     directory), rewritten when its policy changes: for every sandbox whose policy can change
     while it runs, under crun with the network service or rootless (slirp4netns comes and
@@ -316,7 +249,7 @@ def _host_loader() -> tuple[str, str]:
 
 
 @final
-class LocalBackend:
+class LocalBackend(LocalState):
     """Sandboxes on this host under crun (namespaces) or runsc (gVisor).
 
     Args:
@@ -551,73 +484,18 @@ class LocalBackend:
                 )
         return None
 
-    # ------------------------------------------------------------------ paths
-
-    def _dir(self, sandbox_id: str) -> Path:
-        return self.state_dir / sandbox_id
-
-    def _mnt(self, container: str) -> Path:
-        """Where a sandbox's root is mounted (and gVisor's socket directory lives)."""
-        return self._run_root / "mnt" / container
-
-    def _cgroup_rel(self, container: str) -> str:
-        return f"/sandlot/{self._tag}/{container}"
-
-    def _oom_files(self, container: str) -> list[Path]:
-        rel = self._cgroup_rel(container).lstrip("/")
-        return [
-            Path("/sys/fs/cgroup/memory") / rel / "memory.oom_control",
-            Path("/sys/fs/cgroup") / rel / "memory.events",
-        ]
-
-    def _cache(self) -> RootfsCache:
-        if self._rootfs is None:
-            storage = None
-            if self._idmap is not None:
-                wrap = (*rootless.helper_argv(self._idmap), "--")
-                storage = Storage(self._idmap.key, wrap, self._idmap.full)
-            self._rootfs = RootfsCache(self._cache_path or cache_dir(), storage=storage)
-        return self._rootfs
-
-    @contextlib.contextmanager
-    def _locked(self, sandbox_id: str) -> Iterator[None]:
-        fd = os.open(
-            self.state_dir / ".locks" / sandbox_id, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
-
-    @contextlib.asynccontextmanager
-    async def _alock(self, sandbox_id: str) -> AsyncIterator[None]:
-        path = self.state_dir / ".locks" / sandbox_id
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            # Non-blocking attempts so a waiting task never parks a worker thread.
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    await anyio.sleep(0.005)
-            yield
-        finally:
-            os.close(fd)
-
     # ------------------------------------------------------------------ validation
 
     def _validate(self, sandbox_id: str, spec: SandboxSpec) -> str:
         """Check what this backend must refuse; the runtime name for the spec."""
-        if not _ID.match(sandbox_id):
+        if not VALID_ID.match(sandbox_id):
             msg = f"sandbox id {sandbox_id!r} must be 1-63 letters, digits, '.', '_' or '-'"
             raise InvalidRequest(msg)
         options = spec.options_for("local")
         check_backend_options({"local": options})  # declared in sandlot.backends.options
         isolation = str(options.get("isolation", "namespaces"))
         kind = spec.network if isinstance(spec.network, str) else "allowlist"
-        if _strict(spec) and (isolation != "namespaces" or self._idmap is not None):
+        if is_strict(spec) and (isolation != "namespaces" or self._idmap is not None):
             # runsc applies the profile in its own kernel and has no notify listener; rootless
             # crun could not read the callers' memory from outside their user namespace.
             why = "gVisor has no seccomp notify listener" if isolation != "namespaces" else ""
@@ -687,11 +565,6 @@ class LocalBackend:
             msg = "publishing ports needs root (the network service); not available rootless"
             raise NotSupported(msg)
 
-    def _ensure_subreaper(self) -> None:
-        if not self._subreaper:
-            become_subreaper()
-            self._subreaper = True
-
     # ------------------------------------------------------------------ create
 
     async def create(self, sandbox_id: str, spec: SandboxSpec) -> str:
@@ -746,7 +619,7 @@ class LocalBackend:
         runtime: str,
         spec: SandboxSpec,
         lowers: list[Layer],
-    ) -> _Meta:
+    ) -> Meta:
         # Rootless: the sandbox's ids are the caller's own (and its subordinate range).
         base = self._uids.allocate(self.state_dir, container) if self._idmap is None else None
         try:
@@ -755,7 +628,7 @@ class LocalBackend:
             if base is not None:
                 self._uids.release(base)
             raise
-        meta = _Meta(
+        meta = Meta(
             sandbox_id=sandbox_id,
             container=container,
             runtime=runtime,
@@ -779,7 +652,7 @@ class LocalBackend:
             raise
         return meta
 
-    def _make_layer(self, d: Path, meta: _Meta) -> None:
+    def _make_layer(self, d: Path, meta: Meta) -> None:
         layer = d / "layer"
         if meta.disk_mb is not None:
             img = d / "layer.img"
@@ -819,7 +692,7 @@ class LocalBackend:
 
     # ------------------------------------------------------------------ boot
 
-    def _mount(self, d: Path, meta: _Meta) -> None:
+    def _mount(self, d: Path, meta: Meta) -> None:
         rootfs = self._mnt(meta.container) / "rootfs"
         try:
             rootfs.mkdir(parents=True, mode=0o711)
@@ -847,7 +720,7 @@ class LocalBackend:
             umount_tree(rootfs)
             raise
 
-    def _lower_paths(self, meta: _Meta) -> list[Path]:
+    def _lower_paths(self, meta: Meta) -> list[Path]:
         lowers = [Path(str(lay["path"])) for lay in meta.layers]
         for lower in lowers:
             if not lower.is_dir():
@@ -855,7 +728,7 @@ class LocalBackend:
                 raise BackendError(msg)
         return lowers
 
-    def _rootless_wrapper(self, d: Path, meta: _Meta) -> list[str]:
+    def _rootless_wrapper(self, d: Path, meta: Meta) -> list[str]:
         """The helper command line that mounts the sandbox's root and then runs the runtime."""
         assert meta.idmap is not None
         idmap = IdMap.from_json(meta.idmap)
@@ -868,7 +741,7 @@ class LocalBackend:
             workdir=str(meta.spec.get("workdir") or "/workspace"),
         )
 
-    def _ensure_workdir(self, rootfs: Path, meta: _Meta) -> None:
+    def _ensure_workdir(self, rootfs: Path, meta: Meta) -> None:
         workdir = str(meta.spec.get("workdir") or "/workspace")
         uid = meta.uid_base or 0
         path = rootfs
@@ -884,9 +757,7 @@ class LocalBackend:
                 # A symlink here could lead the host outside; the agent makes it from inside.
                 return
 
-    def _bundle(
-        self, d: Path, meta: _Meta, spec: SandboxSpec, net: SandboxNetwork | None
-    ) -> object:
+    def _bundle(self, d: Path, meta: Meta, spec: SandboxSpec, net: SandboxNetwork | None) -> object:
         """Write ``config.json``; the seccomp profile in it (for :meth:`Crun.learn_seccomp`)."""
         mounts: list[dict[str, object]] = [
             {
@@ -990,13 +861,13 @@ class LocalBackend:
             hostname=HOSTNAME,
             gvisor=meta.runtime == "runsc",
             rootless=meta.idmap is not None,
-            exec_listener=str(self._exec_listener(meta)) if _strict(spec) else None,
+            exec_listener=str(self._exec_listener(meta)) if is_strict(spec) else None,
         )
         doc = oci.build(cfg)
         linux = doc["linux"]
         profile = linux.get("seccomp") if isinstance(linux, dict) else None
         rt = self._runtimes[meta.runtime]
-        if _strict(spec):
+        if is_strict(spec):
             # The profile names this sandbox's listener: no compiled program to share, and
             # crun must load it itself to ask the kernel for a listener.
             profile = None
@@ -1045,7 +916,7 @@ class LocalBackend:
     async def _boot(
         self,
         d: Path,
-        meta: _Meta,
+        meta: Meta,
         spec: SandboxSpec,
         *,
         baseline: bool = False,
@@ -1134,7 +1005,7 @@ class LocalBackend:
             return None
         return net if Path(net.netns_path).exists() else None
 
-    def _record_init(self, d: Path, meta: _Meta, pid_file: Path, *, baseline: bool) -> None:
+    def _record_init(self, d: Path, meta: Meta, pid_file: Path, *, baseline: bool) -> None:
         rt = self._runtimes[meta.runtime]
         pid = int(pid_file.read_text().strip() or 0) if pid_file.exists() else 0
         start = process_start_time(pid) if pid else None
@@ -1160,7 +1031,7 @@ class LocalBackend:
     async def _start_crun(
         self,
         d: Path,
-        meta: _Meta,
+        meta: Meta,
         profile: object,
         *,
         network: bool,
@@ -1207,7 +1078,7 @@ class LocalBackend:
                     connect_scope.cancel()
 
         try:
-            if _strict(meta.spec_model()):
+            if is_strict(meta.spec_model()):
                 self._open_execgate(meta, d)
             _bind_unix(listener, sock_path)
             listener.listen(128)
@@ -1259,11 +1130,11 @@ class LocalBackend:
         msg = f"sandbox {meta.sandbox_id}: the agent did not answer: {err}: {self._log_tail(d)}"
         raise SandboxTimeout(msg) from err
 
-    def _exec_listener(self, meta: _Meta) -> Path:
+    def _exec_listener(self, meta: Meta) -> Path:
         # sun_path holds 108 bytes: a short name under the run directory, not the state's.
         return self._run_root / "x" / f"{hashlib.sha256(meta.container.encode()).hexdigest()[:16]}"
 
-    def _open_execgate(self, meta: _Meta, d: Path) -> None:
+    def _open_execgate(self, meta: Meta, d: Path) -> None:
         """Listen for crun's exec-notify fd (strict) and decide each program through
         :attr:`exec_decider`, on the event loop this runs on (an allowed call once per boot)."""
         self._close_execgate(meta.sandbox_id)
@@ -1300,7 +1171,7 @@ class LocalBackend:
         if gate is not None:
             gate.close()
 
-    async def _start_slirp(self, d: Path, meta: _Meta) -> None:
+    async def _start_slirp(self, d: Path, meta: Meta) -> None:
         """Rootless ``allow-all``: fence the sandbox's network namespace (what rootful
         ``allow-all`` refuses, :func:`.rootless.fence_slirp`) and attach slirp4netns to it."""
         assert meta.init is not None
@@ -1314,7 +1185,7 @@ class LocalBackend:
         meta.slirp = [pid, start] if start is not None else None
         meta.save(d / "meta.json")
 
-    def _describe_upper(self, d: Path, meta: _Meta) -> layers.UpperManifest:
+    def _describe_upper(self, d: Path, meta: Meta) -> layers.UpperManifest:
         upper = d / "layer" / "upper"
         if meta.idmap is not None:
             idmap = IdMap.from_json(meta.idmap)
@@ -1344,12 +1215,12 @@ class LocalBackend:
             uid_size=RANGE_SIZE if meta.uid_base is not None else 1 << 32,
         )
 
-    def _socket_path(self, d: Path, meta: _Meta) -> Path:
+    def _socket_path(self, d: Path, meta: Meta) -> Path:
         if meta.runtime == "runsc":
             return self._mnt(meta.container) / "run" / "agent.sock"
         return d / "agent.sock"
 
-    async def _connect(self, d: Path, meta: _Meta, timeout: float) -> Channel:
+    async def _connect(self, d: Path, meta: Meta, timeout: float) -> Channel:
         from sandlot.channel.client import connect_unix
 
         path = self._socket_path(d, meta)
@@ -1376,7 +1247,7 @@ class LocalBackend:
                 raise SandboxTimeout(msg)
             await anyio.sleep(0.003)
 
-    async def _wait_ready(self, d: Path, meta: _Meta) -> None:
+    async def _wait_ready(self, d: Path, meta: Meta) -> None:
         inner = await self._connect(d, meta, self._ready_timeout)
         old = self._ready.pop(meta.sandbox_id, None)
         self._ready[meta.sandbox_id] = inner
@@ -1393,7 +1264,7 @@ class LocalBackend:
             return "(no log)"
 
     async def _adopt(self, d: Path, spec: SandboxSpec) -> None:
-        meta = _Meta.load(d / "meta.json")
+        meta = Meta.load(d / "meta.json")
         if meta.sandbox_id != d.name:
             # A claim of a pooled sandbox was interrupted after the rename: finish it.
             meta.sandbox_id = d.name
@@ -1408,20 +1279,6 @@ class LocalBackend:
         await self._boot(d, meta, meta.spec_model())
 
     # ------------------------------------------------------------------ lifecycle
-
-    def _meta(self, ref: str) -> tuple[Path, _Meta]:
-        if not _ID.match(ref):
-            msg = f"no local sandbox {ref!r}"
-            raise NotFound(msg)
-        d = self._dir(ref)
-        try:
-            return d, _Meta.load(d / "meta.json")
-        except FileNotFoundError:
-            msg = f"no local sandbox {ref!r}"
-            raise NotFound(msg) from None
-        except (OSError, ValueError, TypeError) as e:
-            msg = f"local sandbox {ref!r} has unreadable state: {e}"
-            raise BackendError(msg) from e
 
     async def start(self, ref: str, spec: SandboxSpec) -> None:
         """Boot a stopped sandbox with its writable layer as it was."""
@@ -1445,7 +1302,7 @@ class LocalBackend:
             await self._halt(d, meta, grace=self._stop_timeout)
             meta.save(d / "meta.json")
 
-    async def _halt(self, d: Path, meta: _Meta, *, grace: float = 0.0) -> None:
+    async def _halt(self, d: Path, meta: Meta, *, grace: float = 0.0) -> None:
         """Kill the container, delete it from the runtime, reap, unmount (idempotent)."""
         ready = self._ready.pop(meta.sandbox_id, None)
         if ready is not None:
@@ -1500,7 +1357,7 @@ class LocalBackend:
                 return path.read_text().strip() in ("FROZEN", "FREEZING", "1")
         return False
 
-    async def _signal_init(self, rt: Runtime, meta: _Meta, sig: int) -> None:
+    async def _signal_init(self, rt: Runtime, meta: Meta, sig: int) -> None:
         # Under crun the init is an ordinary host process (pid and start time recorded), and
         # signalling it directly saves a runtime invocation; gVisor's init lives in its kernel.
         if meta.runtime == "crun" and meta.init is not None:
@@ -1510,7 +1367,7 @@ class LocalBackend:
             return
         await rt.kill(meta.container, sig)
 
-    def _note_death(self, meta: _Meta) -> None:
+    def _note_death(self, meta: Meta) -> None:
         """Record why the init died, once, while its cgroup still exists."""
         if meta.init is None or meta.stop_reason is not None:
             return
@@ -1527,7 +1384,7 @@ class LocalBackend:
             if status is not None:
                 meta.stop_detail = f"the sandbox's init exited ({_describe_status(status)})"
 
-    def _reap_all(self, meta: _Meta, timeout: float) -> None:
+    def _reap_all(self, meta: Meta, timeout: float) -> None:
         pids = [(p[0], p[1]) for p in meta.host_pids]
         if meta.init is not None:
             pids.append((meta.init[0], meta.init[1]))
@@ -1535,14 +1392,14 @@ class LocalBackend:
         for pid, start in dict.fromkeys(pids):
             reap(pid, start, timeout=max(0.0, deadline - time.monotonic()))
 
-    def _unmount(self, d: Path, meta: _Meta) -> None:
+    def _unmount(self, d: Path, meta: Meta) -> None:
         umount_tree(self._mnt(meta.container))
         if meta.disk_mb is not None:
             umount_tree(d / "layer")
 
     async def destroy(self, ref: str) -> None:
         """Remove the sandbox and everything it had on the host; a missing one is fine."""
-        if not _ID.match(ref):
+        if not VALID_ID.match(ref):
             return
         d = self._dir(ref)
         async with self._alock(ref):
@@ -1552,7 +1409,7 @@ class LocalBackend:
 
     async def _destroy_dir(self, d: Path) -> None:
         try:
-            meta: _Meta | None = _Meta.load(d / "meta.json")
+            meta: Meta | None = Meta.load(d / "meta.json")
         except (OSError, ValueError, TypeError):
             meta = None
         if meta is not None:
@@ -1563,7 +1420,7 @@ class LocalBackend:
         else:
             # No record (a crash mid-create or mid-destroy): the names derive from the ref.
             containers = [f"sl-{d.name}"]
-            if d.name.startswith(_POOL_PREFIX):
+            if d.name.startswith(POOL_PREFIX):
                 containers.append(d.name)
             for name in containers:
                 for rt in self._runtimes.values():
@@ -1586,7 +1443,7 @@ class LocalBackend:
 
     def _container_of(self, ref: str) -> str | None:
         try:
-            return _Meta.load(self._dir(ref) / "meta.json").container
+            return Meta.load(self._dir(ref) / "meta.json").container
         except (OSError, ValueError, TypeError):
             return None
 
@@ -1632,7 +1489,7 @@ class LocalBackend:
         """``running``, ``stopped`` (with ``oom``/``exited``/``stopped`` as the reason) or
         ``missing``."""
         d = self._dir(ref)
-        if not _ID.match(ref) or not (d / "meta.json").exists():
+        if not VALID_ID.match(ref) or not (d / "meta.json").exists():
             return BackendState("missing")
         _, meta = self._meta(ref)
         if meta.init is not None and process_alive(meta.init[0], meta.init[1]):
@@ -1655,7 +1512,11 @@ class LocalBackend:
             # ``network/``, never a sandbox id). A directory without its meta.json is still a
             # sandbox's: a create killed before writing it left it, and with no ref recorded
             # the Manager's destroy finds it only here.
-            if entry.name.startswith(".") or not _ID.match(entry.name) or entry.name == "network":
+            if (
+                entry.name.startswith(".")
+                or not VALID_ID.match(entry.name)
+                or entry.name == "network"
+            ):
                 continue
             if entry.is_dir():
                 out[entry.name] = entry.name
@@ -1664,10 +1525,10 @@ class LocalBackend:
             for name in rt.names():
                 if name.startswith("sl-"):
                     sid = name[3:]
-                    if _ID.match(sid) and sid not in out:
+                    if VALID_ID.match(sid) and sid not in out:
                         out[sid] = sid
                 elif (
-                    name.startswith(_POOL_PREFIX)
+                    name.startswith(POOL_PREFIX)
                     and not self._pool_entry(name)
                     and not any(self._container_of(ref) == name for ref in out)
                 ):
@@ -1689,7 +1550,7 @@ class LocalBackend:
             *(self.state_dir / ".trash").glob("*/meta.json"),
         ]:
             with contextlib.suppress(OSError, ValueError, TypeError):
-                users.add(_Meta.load(meta_path).container)
+                users.add(Meta.load(meta_path).container)
         for rt in self._runtimes.values():
             users.update(rt.names())
         freed = []
@@ -1743,7 +1604,7 @@ class LocalBackend:
     # ------------------------------------------------------------------ snapshots
 
     def _snapshot_dir(self, snapshot_id: str) -> Path:
-        if not _ID.match(snapshot_id):
+        if not VALID_ID.match(snapshot_id):
             msg = f"snapshot id {snapshot_id!r} must be 1-63 letters, digits, '.', '_' or '-'"
             raise InvalidRequest(msg)
         return self.state_dir / ".snapshots" / snapshot_id
@@ -1794,7 +1655,7 @@ class LocalBackend:
             metadata={"manifest_sha256": digest, "layers": len(meta.layers) + 1},
         )
 
-    def _capture(self, meta: _Meta, upper: Path, tmp: Path) -> tuple[str, int]:
+    def _capture(self, meta: Meta, upper: Path, tmp: Path) -> tuple[str, int]:
         if meta.idmap is not None:
             # Read (and own the copies) as root of a namespace with the sandbox's ids: the
             # layer keeps the host owners that rootless layers are stored with.
@@ -1859,7 +1720,7 @@ class LocalBackend:
             meta.save(d / "meta.json")
             await self._boot(d, meta, spec)
 
-    def _reset_layer(self, d: Path, meta: _Meta) -> None:
+    def _reset_layer(self, d: Path, meta: Meta) -> None:
         if meta.disk_mb is not None:
             self._make_layer(d, meta)
         for sub in ("upper", "work"):
@@ -1970,7 +1831,7 @@ class LocalBackend:
         return report
 
     async def _reset_by_claim(
-        self, ref: str, d: Path, meta: _Meta, spec: SandboxSpec, runtime: str, started: float
+        self, ref: str, d: Path, meta: Meta, spec: SandboxSpec, runtime: str, started: float
     ) -> dict[str, JsonValue] | None:
         """Reset to the baseline by swapping in a pooled sandbox; None when that cannot serve
         (no pool, not a default-root baseline, a disk limit, published ports)."""
@@ -2112,7 +1973,7 @@ class LocalBackend:
         return _check("layers", ", ".join(keys), "; ".join(problems) or ", ".join(keys))
 
     async def _check_running(
-        self, d: Path, meta: _Meta, expected_upper: str | None
+        self, d: Path, meta: Meta, expected_upper: str | None
     ) -> tuple[list[JsonValue], str]:
         """The checks of a booted sandbox (writable layer, processes, runtime); and the digest
         of its writable layer."""
@@ -2143,9 +2004,7 @@ class LocalBackend:
         checks.append(_check("runtime", f"running pid {init}", actual))
         return checks, manifest.digest
 
-    def _unexpected_upper(
-        self, d: Path, meta: _Meta, entries: list[dict[str, object]]
-    ) -> list[str]:
+    def _unexpected_upper(self, d: Path, meta: Meta, entries: list[dict[str, object]]) -> list[str]:
         """Entries of a freshly booted writable layer that the runtime or the backend did not
         make: anything but empty mount points (files or directories) and the working
         directory, owned by the sandbox's root."""
@@ -2178,7 +2037,7 @@ class LocalBackend:
                 pids.add(pid)
         return sorted(pids)
 
-    def _procs(self, meta: _Meta) -> list[int] | None:
+    def _procs(self, meta: Meta) -> list[int] | None:
         """The sandbox's processes: its cgroup's, or (rootless, no cgroup) its init's tree."""
         if meta.idmap is not None:
             if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
@@ -2199,7 +2058,7 @@ class LocalBackend:
                 return None
         return None
 
-    def _fresh_layer(self, d: Path, meta: _Meta) -> None:
+    def _fresh_layer(self, d: Path, meta: Meta) -> None:
         """An empty writable layer; the old one is removed on a thread of its own."""
         if meta.disk_mb is not None:
             self._reset_layer(d, meta)
@@ -2292,13 +2151,13 @@ class LocalBackend:
         used: set[str] = set()
         for meta_path in self.state_dir.glob("*/meta.json"):
             with contextlib.suppress(OSError, ValueError, TypeError):
-                used.update(str(lay["path"]) for lay in _Meta.load(meta_path).layers)
+                used.update(str(lay["path"]) for lay in Meta.load(meta_path).layers)
         for meta_path in [
             *(self.state_dir / ".pool").glob("*/*/meta.json"),
             *(self.state_dir / ".trash").glob("*/meta.json"),
         ]:
             with contextlib.suppress(OSError, ValueError, TypeError):
-                used.update(str(lay["path"]) for lay in _Meta.load(meta_path).layers)
+                used.update(str(lay["path"]) for lay in Meta.load(meta_path).layers)
         for manifest in (self.state_dir / ".snapshots").glob("*/manifest.json"):
             with contextlib.suppress(OSError, ValueError):
                 doc = json.loads(manifest.read_text())
@@ -2378,7 +2237,7 @@ class LocalBackend:
             )
             meta.save(d / "meta.json")
 
-    def _network_can_switch(self, ref: str, meta: _Meta, kind: str) -> bool:
+    def _network_can_switch(self, ref: str, meta: Meta, kind: str) -> bool:
         """Whether the sandbox's network can switch to ``kind``; False when it has ``kind`` for
         life (nothing to do). Refuses, before anything changes, what it cannot switch to."""
         if meta.idmap is not None:
@@ -2417,7 +2276,7 @@ class LocalBackend:
             raise NotSupported(msg, field="network")
         return True
 
-    async def _switch_slirp(self, d: Path, meta: _Meta, kind: str) -> None:
+    async def _switch_slirp(self, d: Path, meta: Meta, kind: str) -> None:
         """Rootless: attach slirp4netns for ``allow-all``, detach it for ``deny-all`` (its tap
         device goes with it, leaving loopback only). A stopped sandbox changes at its start."""
         running = meta.init is not None and process_alive(meta.init[0], meta.init[1])
@@ -2476,7 +2335,7 @@ class LocalBackend:
     async def _pool_one(self, isolation: str, runtime: str) -> None:
         pdir = self.state_dir / ".pool" / isolation
         pdir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        name = f"{_POOL_PREFIX}{secrets.token_hex(6)}"
+        name = f"{POOL_PREFIX}{secrets.token_hex(6)}"
         d = pdir / name
         spec = SandboxSpec(network="deny-all", backend_options={"local": {"isolation": isolation}})
         # With the operator's CAs: a pooled sandbox serves creates that ask for no others.
@@ -2503,7 +2362,7 @@ class LocalBackend:
                 await self._destroy_dir(d)
 
     def _poolable(self, spec: SandboxSpec) -> str | None:
-        if spec.image is not None or spec.resources.disk_mb is not None or _strict(spec):
+        if spec.image is not None or spec.resources.disk_mb is not None or is_strict(spec):
             return None
         if self._idmap is not None and (spec.network != "deny-all" or spec.workdir != "/workspace"):
             # Rootless pooled sandboxes boot deny-all in a root that only the sandbox's own
@@ -2534,7 +2393,7 @@ class LocalBackend:
             src = self.state_dir / ".pool" / isolation / name
             meta_path = src / "meta.json"
             try:
-                meta = _Meta.load(meta_path)
+                meta = Meta.load(meta_path)
             except (OSError, ValueError, TypeError):
                 continue
             if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
@@ -2551,7 +2410,7 @@ class LocalBackend:
         if not claimed:
             return False
         try:
-            meta = _Meta.load(d / "meta.json")
+            meta = Meta.load(d / "meta.json")
             meta.sandbox_id = sandbox_id
             meta.spec = spec.model_dump(mode="json")
             with contextlib.suppress(FileNotFoundError):
@@ -2582,7 +2441,7 @@ class LocalBackend:
             raise
         return True
 
-    def _apply_resources(self, meta: _Meta, spec: SandboxSpec) -> None:
+    def _apply_resources(self, meta: Meta, spec: SandboxSpec) -> None:
         """Write the spec's limits into a claimed sandbox's cgroups (v1 or v2)."""
         if meta.idmap is not None:
             return  # rootless: no cgroups, and specs with limits are refused
@@ -2701,7 +2560,7 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _move_aside(meta: _Meta, d: Path, trash: Path) -> None:
+def _move_aside(meta: Meta, d: Path, trash: Path) -> None:
     meta.sandbox_id = trash.name
     meta.save(d / "meta.json")
     d.rename(trash)
@@ -2712,7 +2571,7 @@ def _untrash(trash: Path, d: Path, ref: str) -> None:
     if d.exists() or not trash.exists():
         return
     trash.rename(d)
-    meta = _Meta.load(d / "meta.json")
+    meta = Meta.load(d / "meta.json")
     meta.sandbox_id = ref
     meta.save(d / "meta.json")
 
