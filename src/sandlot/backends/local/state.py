@@ -159,6 +159,11 @@ class LocalState:
     _usable: set[str]
     _retiring: set[str]
 
+    if TYPE_CHECKING:
+        # backend.py
+        def _close_execgate(self, sandbox_id: str) -> None: ...
+        def _gc_snapshots(self) -> None: ...
+
     def _dir(self, sandbox_id: str) -> Path:
         return self.state_dir / sandbox_id
 
