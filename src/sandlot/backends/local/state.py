@@ -28,7 +28,7 @@ import anyio
 
 from sandlot.backends.local import rootless
 from sandlot.backends.local.execgate import ExecCall
-from sandlot.backends.local.rootfs import RootfsCache, Storage
+from sandlot.backends.local.rootfs import Layer, RootfsCache, Storage
 from sandlot.backends.local.runtime import become_subreaper
 from sandlot.config import cache_dir
 from sandlot.errors import BackendError, NotFound
@@ -161,8 +161,37 @@ class LocalState:
 
     if TYPE_CHECKING:
         # backend.py
+        async def _adopt(self, d: Path, spec: SandboxSpec) -> None: ...
+        async def _boot(
+            self,
+            d: Path,
+            meta: Meta,
+            spec: SandboxSpec,
+            *,
+            baseline: bool = False,
+            keep_network: bool = False,
+        ) -> None: ...
         def _close_execgate(self, sandbox_id: str) -> None: ...
+        def _make_layer(self, d: Path, meta: Meta) -> None: ...
+        def _provision(
+            self,
+            d: Path,
+            sandbox_id: str,
+            container: str,
+            runtime: str,
+            spec: SandboxSpec,
+            lowers: list[Layer],
+        ) -> Meta: ...
+        def _validate(self, sandbox_id: str, spec: SandboxSpec) -> str: ...
+        async def destroy(self, ref: str) -> None: ...
+
+        # snapshots.py
         def _gc_snapshots(self) -> None: ...
+
+        # teardown.py
+        async def _destroy_dir(self, d: Path) -> None: ...
+        async def _halt(self, d: Path, meta: Meta, *, grace: float = 0.0) -> None: ...
+        def _wipe_dir(self, d: Path) -> None: ...
 
     def _dir(self, sandbox_id: str) -> Path:
         return self.state_dir / sandbox_id
