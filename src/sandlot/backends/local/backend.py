@@ -57,7 +57,6 @@ import signal
 import socket
 import stat
 import subprocess
-import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -69,7 +68,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends import trust
-from sandlot.backends.base import BackendState, Capabilities, SnapshotRef
+from sandlot.backends.base import BackendState, Capabilities
 from sandlot.backends.local import layers, oci, rootless
 from sandlot.backends.local.channel import LocalChannel
 from sandlot.backends.local.execgate import ExecCall, ExecGate
@@ -82,6 +81,7 @@ from sandlot.backends.local.mounts import (
     mount_small_tmpfs,
     umount_tree,
 )
+from sandlot.backends.local.reset import Reset
 from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache, trust_bundle
 from sandlot.backends.local.rootless import IdMap
 from sandlot.backends.local.runtime import (
@@ -103,6 +103,7 @@ from sandlot.backends.local.state import (
     is_strict,
 )
 from sandlot.backends.local.teardown import Teardown
+from sandlot.backends.local.verify import Verification
 from sandlot.backends.options import check_backend_options
 from sandlot.errors import (
     BackendError,
@@ -113,7 +114,6 @@ from sandlot.errors import (
     NotSupported,
     SandboxError,
     SandboxTimeout,
-    VerificationFailed,
 )
 from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping, SandboxSpec
 from sandlot.taskgroups import lone_error
@@ -250,7 +250,7 @@ def _host_loader() -> tuple[str, str]:
 
 
 @final
-class LocalBackend(Snapshots, Teardown, LocalState):
+class LocalBackend(Reset, Verification, Snapshots, Teardown, LocalState):
     """Sandboxes on this host under crun (namespaces) or runsc (gVisor).
 
     Args:
@@ -1442,359 +1442,6 @@ class LocalBackend(Snapshots, Teardown, LocalState):
 
     # ------------------------------------------------------------------ reset
 
-    async def reset(
-        self, ref: str, snapshot: SnapshotRef | None, spec: SandboxSpec
-    ) -> dict[str, JsonValue]:
-        """Return the sandbox to ``snapshot`` (None: its baseline, as created), verified, booted.
-
-        Every process ends and the writable layer is replaced by an empty one over the target's
-        lower layers, so the files are exactly the target's whatever happened since. Before
-        anything changes, the target's layers are checked (a snapshot layer is re-hashed
-        against its manifest); after the boot the sandbox is checked from the host: its
-        writable layer (the baseline's digest, or only the runtime's own mount points for a
-        snapshot), the processes in its cgroup (the agent alone) and the runtime's record
-        (running, that agent as init).
-
-        With a warm pool for the sandbox's kind, a reset to the baseline of a default-root
-        sandbox takes a pooled sandbox instead of restarting (a pooled sandbox is exactly such a
-        baseline; the same checks prove it), and the old one is destroyed after: in the
-        background while :meth:`pool_refiller` runs, else before returning.
-
-        Returns:
-            The verification report: ``ok``, ``target``, ``diverged``, timings and one check
-            per source (``layers``, ``snapshot``, ``upper``, ``processes``, ``runtime``) with
-            what was expected and what was found.
-
-        Raises:
-            VerificationFailed: a source disagreed (``details["diverged"]`` names them,
-                ``details["verification"]`` is the report); a bad target leaves the sandbox
-                untouched, a bad result leaves it as it is, for inspection.
-            NotFound: no such sandbox or snapshot.
-        """
-        started = time.perf_counter()
-        runtime = self._validate(ref, spec)
-        self._ensure_subreaper()
-        async with self._alock(ref):
-            d, meta = self._meta(ref)
-            if snapshot is None:
-                swapped = await self._reset_by_claim(ref, d, meta, spec, runtime, started)
-                if swapped is not None:
-                    if swapped["diverged"]:
-                        raise _verification_error(ref, swapped)
-                    return swapped
-            checks: list[JsonValue] = []
-            if snapshot is not None:
-                target = f"snapshot:{snapshot.ref}"
-                want = snapshot.metadata.get("manifest_sha256")
-                try:
-                    chain, _ = await anyio.to_thread.run_sync(self._snapshot_layers, snapshot)
-                except NotFound:
-                    raise
-                except BackendError as e:
-                    checks.append(_check("snapshot", str(want or "its manifest"), e.message))
-                    raise _verification_error(ref, _report(target, checks, started)) from e
-                found = layers.manifest_digest(self._snapshot_dir(snapshot.ref))
-                checks.append(_check("snapshot", str(want or found), found))
-                lowers: list[dict[str, JsonValue]] = [
-                    {"path": str(lay.path), "key": lay.key} for lay in chain
-                ]
-                default_root = chain[-1].default_root
-                expected_upper: str | None = None
-            else:
-                target = "baseline"
-                if meta.baseline is None:
-                    msg = (
-                        f"sandbox {ref} has no recorded baseline (it was made by an older "
-                        "sandlot); reset it to a snapshot instead"
-                    )
-                    raise InvalidState(msg)
-                raw_layers = meta.baseline.get("layers")
-                lowers = (
-                    [dict(x) for x in raw_layers if isinstance(x, dict)]
-                    if isinstance(raw_layers, list)
-                    else []
-                )
-                default_root = bool(meta.baseline.get("default_root", True))
-                upper = meta.baseline.get("upper")
-                expected_upper = upper if isinstance(upper, str) else None
-            lower_check = await anyio.to_thread.run_sync(self._check_lowers, lowers)
-            checks.append(lower_check)
-            if not lower_check["ok"]:
-                raise _verification_error(ref, _report(target, checks, started))
-            await self._halt(d, meta)
-            meta.layers = lowers
-            meta.default_root = default_root
-            meta.pristine = None
-            await anyio.to_thread.run_sync(self._fresh_layer, d, meta)
-            meta.save(d / "meta.json")
-            halted = time.perf_counter()
-            await self._boot(d, meta, spec, keep_network=True)
-            booted = time.perf_counter()
-            state_checks, upper_digest = await self._check_running(d, meta, expected_upper)
-            checks.extend(state_checks)
-            report = _report(target, checks, started)
-            report["reset_ms"] = round((halted - started) * 1000, 2)
-            report["boot_ms"] = round((booted - halted) * 1000, 2)
-            meta.pristine = {"target": target, "upper": upper_digest, "at": time.time()}
-            meta.save(d / "meta.json")
-        if report["diverged"]:
-            raise _verification_error(ref, report)
-        return report
-
-    async def _reset_by_claim(
-        self, ref: str, d: Path, meta: Meta, spec: SandboxSpec, runtime: str, started: float
-    ) -> dict[str, JsonValue] | None:
-        """Reset to the baseline by swapping in a pooled sandbox; None when that cannot serve
-        (no pool, not a default-root baseline, a disk limit, published ports)."""
-        base = meta.baseline
-        isolation = self._poolable(spec)
-        if base is None or isolation is None or meta.disk_mb is not None or spec.ports:
-            return None
-        if not self.pooled(isolation):
-            return None
-        try:
-            certificates = trust.certificates_for(spec)
-        except InvalidRequest:
-            return None  # the operator's setting broke since: a plain reset needs none of it
-        lowers = await anyio.to_thread.run_sync(self._lowers, spec, certificates)
-        base_layers = base.get("layers")
-        if not (
-            isinstance(base_layers, list)
-            and [lay.get("key") if isinstance(lay, dict) else None for lay in base_layers]
-            == [lay.key for lay in lowers]
-            and lowers[-1].default_root
-        ):
-            return None
-        if self._networks is not None and meta.net_key is not None:
-            with contextlib.suppress(NotFound):
-                if await self._networks.list_ports(meta.net_key):
-                    return None  # published ports belong to this sandbox's namespace
-        trash = self.state_dir / ".trash" / f"{ref}-{secrets.token_hex(4)}"
-        trash.parent.mkdir(exist_ok=True, mode=0o700)
-        ready = self._ready.pop(ref, None)
-        if ready is not None:
-            with contextlib.suppress(Exception):
-                await ready.close()
-        # Its processes run on while it moves aside: what they use by path (the socket, the
-        # layer) was opened already. Renamed in its record too, so tearing it down later
-        # cannot touch what the new sandbox holds under this id.
-        _move_aside(meta, d, trash)
-        try:
-            claimed = await self._claim(ref, spec, runtime, lowers)
-        except BaseException:
-            _untrash(trash, d, ref)
-            raise
-        if not claimed:
-            _untrash(trash, d, ref)
-            return None
-        swapped = time.perf_counter()
-        new_d, new_meta = self._meta(ref)
-        new_meta.baseline = dict(base)
-        want = ", ".join(str(lay.get("key")) for lay in base_layers if isinstance(lay, dict))
-        lower_check = await anyio.to_thread.run_sync(self._check_lowers, list(new_meta.layers))
-        lower_check["expected"] = want
-        lower_check["ok"] = lower_check["actual"] == want
-        expected_upper = base.get("upper")
-        state_checks, upper_digest = await self._check_running(
-            new_d, new_meta, expected_upper if isinstance(expected_upper, str) else None
-        )
-        report = _report("baseline", [lower_check, *state_checks], started)
-        report["reset_ms"] = round((swapped - started) * 1000, 2)
-        report["boot_ms"] = 0.0
-        report["via"] = "pool"
-        new_meta.pristine = {"target": "baseline", "upper": upper_digest, "at": time.time()}
-        new_meta.save(new_d / "meta.json")
-        self._retire(trash)
-        if self._refill is None:
-            await self._destroy_trash(trash)
-        return report
-
-    def _retire(self, trash: Path) -> None:
-        self._retiring.add(trash.name)
-        if self._refill is not None:
-            self._refill.start_soon(self._destroy_trash, trash)
-
-    async def _destroy_trash(self, trash: Path) -> None:
-        try:
-            with anyio.CancelScope(shield=True):
-                await self._destroy_dir(trash)
-        finally:
-            self._retiring.discard(trash.name)
-
-    async def _empty_trash(self) -> None:
-        """Destroy sandboxes a reset swapped out and nobody destroyed (a crash, no refiller)."""
-        tdir = self.state_dir / ".trash"
-        if not tdir.is_dir():
-            return
-        for entry in list(tdir.iterdir()):
-            if entry.name not in self._retiring:
-                await self._destroy_dir(entry)
-
-    async def verify(self, ref: str) -> dict[str, JsonValue]:
-        """Check that a running sandbox is still as its last reset (or its create) left it.
-
-        The same checks as after :meth:`reset`, without changing anything: its lower layers,
-        its writable layer against the digest recorded then, the processes in its cgroup and
-        the runtime's record. A sandbox that ran commands since, or whose files the host
-        touched, fails it.
-
-        Raises:
-            VerificationFailed: a source disagreed (see :meth:`reset`).
-            InvalidState: the sandbox is not running.
-        """
-        started = time.perf_counter()
-        async with self._alock(ref):
-            d, meta = self._meta(ref)
-            if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
-                msg = f"sandbox {ref} is not running"
-                raise InvalidState(msg)
-            expected: str | None = None
-            target = "baseline"
-            if meta.pristine is not None:
-                upper = meta.pristine.get("upper")
-                expected = upper if isinstance(upper, str) else None
-                target = str(meta.pristine.get("target", target))
-            elif meta.baseline is not None and meta.baseline.get("layers") == meta.layers:
-                upper = meta.baseline.get("upper")
-                expected = upper if isinstance(upper, str) else None
-            checks: list[JsonValue] = [
-                await anyio.to_thread.run_sync(self._check_lowers, list(meta.layers))
-            ]
-            state_checks, _ = await self._check_running(d, meta, expected)
-            checks.extend(state_checks)
-        report = _report(target, checks, started)
-        if report["diverged"]:
-            raise _verification_error(ref, report)
-        return report
-
-    def _check_lowers(self, lowers: list[dict[str, JsonValue]]) -> dict[str, JsonValue]:
-        """Every lower layer is there; snapshot layers still match their manifests."""
-        keys = [str(lay.get("key", "")) for lay in lowers]
-        problems: list[str] = []
-        for lay in lowers:
-            path = Path(str(lay.get("path", "")))
-            if not path.is_dir():
-                problems.append(f"{lay.get('key')} is missing")
-                continue
-            if path.name == "layer" and path.parent.parent == self.state_dir / ".snapshots":
-                try:
-                    self._verify_snapshot(path.parent)
-                except BackendError as e:
-                    problems.append(e.message)
-        return _check("layers", ", ".join(keys), "; ".join(problems) or ", ".join(keys))
-
-    async def _check_running(
-        self, d: Path, meta: Meta, expected_upper: str | None
-    ) -> tuple[list[JsonValue], str]:
-        """The checks of a booted sandbox (writable layer, processes, runtime); and the digest
-        of its writable layer."""
-        manifest = await anyio.to_thread.run_sync(self._describe_upper, d, meta)
-        strays = self._unexpected_upper(d, meta, manifest.entries)
-        if expected_upper is not None:
-            upper = _check("upper", expected_upper, manifest.digest)
-        else:
-            # No recorded digest to compare with (a snapshot target): the fresh layer may hold
-            # only what the runtime and the backend make at boot.
-            rule = "only the runtime's mount points"
-            upper = _check("upper", rule, rule if not strays else f"{len(strays)} other entries")
-            upper["digest"] = manifest.digest
-        if strays and not upper["ok"]:
-            upper["detail"] = ", ".join(strays[:10])
-        checks: list[JsonValue] = [upper]
-        rt = self._runtimes[meta.runtime]
-        init = meta.init[0] if meta.init is not None else 0
-        inside = await rt.inside_pids(meta.container)
-        if inside is not None:
-            # gVisor numbers the processes of its own kernel; the agent is its init.
-            checks.append(_check("processes", "[1]", json.dumps(inside)))
-        else:
-            found = self._procs(meta)
-            checks.append(_check("processes", json.dumps([init]), json.dumps(found)))
-        state = rt.recorded_state(meta.container) or await rt.state(meta.container)
-        actual = "missing" if state is None else f"{state.status} pid {state.pid}"
-        checks.append(_check("runtime", f"running pid {init}", actual))
-        return checks, manifest.digest
-
-    def _unexpected_upper(self, d: Path, meta: Meta, entries: list[dict[str, object]]) -> list[str]:
-        """Entries of a freshly booted writable layer that the runtime or the backend did not
-        make: anything but empty mount points (files or directories) and the working
-        directory, owned by the sandbox's root."""
-        allowed: set[str] = set()
-        try:
-            mounts = json.loads((d / "config.json").read_text()).get("mounts", [])
-        except (OSError, ValueError):
-            mounts = []
-        targets = [str(m.get("destination", "")) for m in mounts if isinstance(m, dict)]
-        targets.append(str(meta.spec.get("workdir") or "/workspace"))
-        for target in targets:
-            parts = Path(target).parts[1:]
-            for i in range(1, len(parts) + 1):
-                allowed.add("/".join(parts[:i]))
-        strays = []
-        for e in entries:
-            empty = e["type"] == "d" or (e["type"] == "f" and e.get("size") == 0)
-            if str(e["path"]) not in allowed or not empty or e["uid"] != 0 or e["gid"] != 0:
-                strays.append(str(e["path"]))
-        return strays
-
-    def host_processes(self, ref: str) -> list[int]:
-        """Host pids of every process that runs for the sandbox: those in its cgroup (all of
-        them under crun; gVisor's sentry under runsc) plus the host processes the runtime left
-        beside them (gVisor's gofer). For accounting (memory, CPU); empty when stopped."""
-        _, meta = self._meta(ref)
-        pids = set(self._procs(meta) or [])
-        for pid, start in meta.host_pids:
-            if process_alive(pid, start):
-                pids.add(pid)
-        return sorted(pids)
-
-    def _procs(self, meta: Meta) -> list[int] | None:
-        """The sandbox's processes: its cgroup's, or (rootless, no cgroup) its init's tree."""
-        if meta.idmap is not None:
-            if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
-                return []
-            return rootless.sandbox_pids(meta.init[0])
-        return self._cgroup_procs(meta.container)
-
-    def _cgroup_procs(self, container: str) -> list[int] | None:
-        rel = self._cgroup_rel(container).lstrip("/")
-        for base in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
-            try:
-                return sorted(
-                    int(x) for x in (Path(base) / rel / "cgroup.procs").read_text().split()
-                )
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError):
-                return None
-        return None
-
-    def _fresh_layer(self, d: Path, meta: Meta) -> None:
-        """An empty writable layer; the old one is removed on a thread of its own."""
-        if meta.disk_mb is not None:
-            self._reset_layer(d, meta)
-            return
-        layer = d / "layer"
-        old = layer / f".old-{secrets.token_hex(4)}"
-        old.mkdir(mode=0o700)
-        for sub in ("upper", "work"):
-            with contextlib.suppress(FileNotFoundError):
-                (layer / sub).rename(old / sub)
-        self._make_layer(d, meta)
-        stale = sorted(layer.glob(".old-*"))
-        # Removing a big layer takes as long as it is big; nothing waits for it (destroy
-        # removes whatever is left with the sandbox's directory).
-        threading.Thread(
-            target=self._remove_stale, args=(stale,), name="sandlot-reset-gc", daemon=True
-        ).start()
-
-    def _remove_stale(self, paths: list[Path]) -> None:
-        if self._idmap is None:
-            _remove_trees(paths)
-            return
-        with contextlib.suppress(SandboxError):
-            rootless.remove_trees(self._idmap, paths)
-
     async def expose_port(self, ref: str, port: int) -> PortMapping:
         """Publish a sandbox port on the host's loopback (needs the network service)."""
         if self._networks is None:
@@ -2170,54 +1817,6 @@ class LocalBackend(Snapshots, Teardown, LocalState):
 
 def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _move_aside(meta: Meta, d: Path, trash: Path) -> None:
-    meta.sandbox_id = trash.name
-    meta.save(d / "meta.json")
-    d.rename(trash)
-
-
-def _untrash(trash: Path, d: Path, ref: str) -> None:
-    """Undo :func:`_move_aside` (no pooled sandbox could be claimed after all)."""
-    if d.exists() or not trash.exists():
-        return
-    trash.rename(d)
-    meta = Meta.load(d / "meta.json")
-    meta.sandbox_id = ref
-    meta.save(d / "meta.json")
-
-
-def _remove_trees(paths: list[Path]) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _check(source: str, expected: str, actual: str) -> dict[str, JsonValue]:
-    return {"source": source, "expected": expected, "actual": actual, "ok": expected == actual}
-
-
-def _report(target: str, checks: list[JsonValue], started: float) -> dict[str, JsonValue]:
-    diverged: list[JsonValue] = [
-        c["source"] for c in checks if isinstance(c, dict) and not c.get("ok")
-    ]
-    return {
-        "ok": not diverged,
-        "target": target,
-        "diverged": diverged,
-        "duration_ms": round((time.perf_counter() - started) * 1000, 2),
-        "checks": checks,
-    }
-
-
-def _verification_error(ref: str, report: dict[str, JsonValue]) -> VerificationFailed:
-    diverged = report.get("diverged")
-    names = [str(x) for x in diverged] if isinstance(diverged, list) else []
-    return VerificationFailed(
-        f"local sandbox {ref} differs from {report.get('target')} in: {', '.join(names)}",
-        verification=report,
-        diverged=names,
-    )
 
 
 def _bind_unix(sock: socket.socket, path: Path) -> None:
