@@ -45,10 +45,7 @@ store, the Manager or front ends.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import hashlib
-import ipaddress
 import json
 import os
 import secrets
@@ -58,7 +55,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, final
 
@@ -81,6 +78,14 @@ from sandlot.backends.local.mounts import (
     mount_small_tmpfs,
     umount_tree,
 )
+from sandlot.backends.local.network import (
+    Network,
+    binds_resolv_conf,
+    policy_kind,
+    resolv_conf,
+    set_resolv_conf,
+)
+from sandlot.backends.local.pool import Pool
 from sandlot.backends.local.reset import Reset
 from sandlot.backends.local.rootfs import HOSTNAME, Layer, RootfsCache, trust_bundle
 from sandlot.backends.local.rootless import IdMap
@@ -115,7 +120,7 @@ from sandlot.errors import (
     SandboxError,
     SandboxTimeout,
 )
-from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping, SandboxSpec
+from sandlot.models import SandboxSpec
 from sandlot.taskgroups import lone_error
 
 if TYPE_CHECKING:
@@ -142,88 +147,6 @@ if s.fileno() != 3:
 os.set_inheritable(3, True)
 os.execv(sys.argv[2], sys.argv[2:])
 """
-_SYS_RENAMEAT2 = 316
-_RENAME_NOREPLACE = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _rename_noreplace(src: Path, dst: Path) -> bool:
-    """Atomically move ``src`` to ``dst`` unless ``dst`` exists; False when someone else won."""
-    ret = _libc.syscall(
-        _SYS_RENAMEAT2, -100, os.fsencode(src), -100, os.fsencode(dst), _RENAME_NOREPLACE
-    )
-    if ret == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
-        return False
-    msg = f"cannot move {src} to {dst}: {os.strerror(err)}"
-    raise BackendError(msg)
-
-
-def _host_resolv_conf() -> str:
-    """The host's nameservers a NATed sandbox can reach: not loopback ones."""
-    for source in ("/etc/resolv.conf", "/run/systemd/resolve/resolv.conf"):
-        try:
-            lines = Path(source).read_text().splitlines()
-        except OSError:
-            continue
-        servers = [
-            line.split()[1]
-            for line in lines
-            if line.startswith("nameserver") and len(line.split()) > 1
-        ]
-        usable = [a for a in servers if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
-        if usable:
-            return "".join(f"nameserver {a}\n" for a in usable[:3])
-    return "# sandlot: the host's resolver listens on its loopback, which sandboxes cannot reach\n"
-
-
-_RESOLV_NO_NETWORK = "# sandlot: this sandbox has no outbound network\n"
-_RESOLV_PROXIED = (
-    "# sandlot: no resolver here; HTTP and HTTPS go out through the egress proxy\n"
-    "# ($HTTPS_PROXY), which resolves the names the network policy allows\n"
-)
-
-
-def _policy_kind(policy: NetworkPolicy) -> str:
-    return policy if isinstance(policy, str) else "allowlist"
-
-
-def _resolv_conf(kind: str, *, slirp: bool) -> str:
-    """What ``/etc/resolv.conf`` says inside a sandbox under policy ``kind``."""
-    if kind == "allow-all":
-        # Outbound traffic is NATed, so the sandbox can use the host's own nameservers
-        # (unless they sit on the host's loopback, which the sandbox cannot reach);
-        # slirp4netns offers a resolver of its own that forwards to them.
-        return f"nameserver {rootless.SLIRP_DNS}\n" if slirp else _host_resolv_conf()
-    # An allowlist's names are resolved by its proxy; inside, a query could only leak data.
-    return _RESOLV_PROXIED if kind == "allowlist" else _RESOLV_NO_NETWORK
-
-
-def _set_resolv_conf(path: Path, text: str) -> None:
-    """Write the host file a sandbox sees as its ``/etc/resolv.conf``.
-
-    In place, never by rename: the sandbox's ``/etc/resolv.conf`` is a bind mount of this very
-    inode, and a rename would leave it the old text. A reader inside sees the old text, an
-    empty file (no nameserver: the resolver asks the sandbox's own loopback and fails) or the
-    new text. Readable by every uid: the sandbox's are not the host's.
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.fchmod(fd, 0o644)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def _binds_resolv_conf(meta: Meta, net: SandboxNetwork | None) -> bool:
-    """Whether a sandbox's ``/etc/resolv.conf`` is a host file of ours (``resolv.conf`` in its
-    directory), rewritten when its policy changes: for every sandbox whose policy can change
-    while it runs, under crun with the network service or rootless (slirp4netns comes and
-    goes). gVisor sandboxes, and those made without the network service, are deny-all for
-    life and keep their root's own file."""
-    return meta.runtime == "crun" and (net is not None or meta.idmap is not None)
 
 
 def _python_for_default_root() -> str:
@@ -250,7 +173,7 @@ def _host_loader() -> tuple[str, str]:
 
 
 @final
-class LocalBackend(Reset, Verification, Snapshots, Teardown, LocalState):
+class LocalBackend(Network, Pool, Reset, Verification, Snapshots, Teardown, LocalState):
     """Sandboxes on this host under crun (namespaces) or runsc (gVisor).
 
     Args:
@@ -768,12 +691,12 @@ class LocalBackend(Reset, Verification, Snapshots, Teardown, LocalState):
                 "options": ["bind", "ro", "nosuid", "nodev"],
             }
         ]
-        if _binds_resolv_conf(meta, net):
+        if binds_resolv_conf(meta, net):
             # Bound read-only even under deny-all, so that a policy change at run time can
-            # rewrite what the sandbox reads (see _set_resolv_conf).
-            kind = net.kind if net is not None else _policy_kind(spec.network)
+            # rewrite what the sandbox reads (see set_resolv_conf).
+            kind = net.kind if net is not None else policy_kind(spec.network)
             resolv = d / "resolv.conf"
-            _set_resolv_conf(resolv, _resolv_conf(kind, slirp=meta.idmap is not None))
+            set_resolv_conf(resolv, resolv_conf(kind, slirp=meta.idmap is not None))
             mounts.append(
                 {
                     "destination": "/etc/resolv.conf",
@@ -1172,20 +1095,6 @@ class LocalBackend(Reset, Verification, Snapshots, Teardown, LocalState):
         if gate is not None:
             gate.close()
 
-    async def _start_slirp(self, d: Path, meta: Meta) -> None:
-        """Rootless ``allow-all``: fence the sandbox's network namespace (what rootful
-        ``allow-all`` refuses, :func:`.rootless.fence_slirp`) and attach slirp4netns to it."""
-        assert meta.init is not None
-        init = meta.init[0]
-        # The fence first: there is no way out of the namespace before it holds.
-        await anyio.to_thread.run_sync(rootless.fence_slirp, init)
-        pid = await anyio.to_thread.run_sync(
-            lambda: rootless.start_slirp(init, d / "logs" / "slirp.log")
-        )
-        start = process_start_time(pid)
-        meta.slirp = [pid, start] if start is not None else None
-        meta.save(d / "meta.json")
-
     def _describe_upper(self, d: Path, meta: Meta) -> layers.UpperManifest:
         upper = d / "layer" / "upper"
         if meta.idmap is not None:
@@ -1313,9 +1222,6 @@ class LocalBackend(Reset, Verification, Snapshots, Teardown, LocalState):
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / ".locks" / ref).unlink()
 
-    def _pool_entry(self, container: str) -> bool:
-        return any((self.state_dir / ".pool").glob(f"*/{container}"))
-
     def _container_of(self, ref: str) -> str | None:
         try:
             return Meta.load(self._dir(ref) / "meta.json").container
@@ -1442,343 +1348,9 @@ class LocalBackend(Reset, Verification, Snapshots, Teardown, LocalState):
 
     # ------------------------------------------------------------------ reset
 
-    async def expose_port(self, ref: str, port: int) -> PortMapping:
-        """Publish a sandbox port on the host's loopback (needs the network service)."""
-        if self._networks is None:
-            msg = "publishing ports needs the network service; this sandbox has loopback only"
-            raise NotSupported(msg)
-        _, meta = self._meta(ref)
-        if meta.net_key is None:
-            msg = f"sandbox {ref} was made without the network service"
-            raise NotSupported(msg)
-        return await self._networks.expose_port(meta.net_key, port)
-
     # ------------------------------------------------------------------ network control
 
-    def _net_key(self, ref: str) -> str:
-        _, meta = self._meta(ref)
-        if self._networks is None or meta.net_key is None:
-            msg = f"sandbox {ref} was made without the network service (loopback only)"
-            raise NotSupported(msg)
-        return meta.net_key
-
-    async def update_network(self, ref: str, policy: NetworkPolicy) -> None:
-        """Change a sandbox's network policy while it runs (or for its next start).
-
-        Every transition between ``allow-all``, ``deny-all`` and allowlists works both ways
-        under crun as root; rootless, between ``deny-all`` and ``allow-all``. New connections
-        follow the policy once this returns, and so do commands started afterwards (exec,
-        background processes, terminals): the proxy variables are added per command (present
-        exactly under an allowlist), ``/etc/resolv.conf`` is rewritten, and the interfaces and
-        routes are those of the policy. Processes already running keep the environment they
-        started with. The policy is recorded for the sandbox; a caller's later ``start`` gets
-        the policy its spec names.
-
-        Raises:
-            NotSupported: the change cannot be made here (gVisor sandboxes and sandboxes made
-                without the network service are ``deny-all`` for life; rootless sandboxes have
-                no allowlists, and ``allow-all`` needs slirp4netns). Nothing is changed.
-        """
-        kind = _policy_kind(policy)
-        async with self._alock(ref):
-            d, meta = self._meta(ref)
-            if self._network_can_switch(ref, meta, kind):
-                if meta.idmap is not None:
-                    await self._switch_slirp(d, meta, kind)
-                else:
-                    assert self._networks is not None
-                    assert meta.net_key is not None
-                    await self._networks.update_policy(meta.net_key, policy)
-                text = _resolv_conf(kind, slirp=meta.idmap is not None)
-                await anyio.to_thread.run_sync(_set_resolv_conf, d / "resolv.conf", text)
-            meta.spec = (
-                meta.spec_model().model_copy(update={"network": policy}).model_dump(mode="json")
-            )
-            meta.save(d / "meta.json")
-
-    def _network_can_switch(self, ref: str, meta: Meta, kind: str) -> bool:
-        """Whether the sandbox's network can switch to ``kind``; False when it has ``kind`` for
-        life (nothing to do). Refuses, before anything changes, what it cannot switch to."""
-        if meta.idmap is not None:
-            if kind == "allowlist":
-                msg = (
-                    f"sandbox {ref} is rootless: network allowlists need root (the egress "
-                    "proxy's namespaces and nftables); without root a sandbox switches only "
-                    "between deny-all and allow-all"
-                )
-                raise NotSupported(msg, field="network")
-            problem = rootless.slirp_problem() if kind == "allow-all" else None
-            if problem is not None:
-                msg = f"network='allow-all' without root needs slirp4netns, and {problem}"
-                raise NotSupported(msg, field="network")
-            return True
-        if meta.runtime == "runsc" or self._networks is None or meta.net_key is None:
-            if kind == "deny-all":
-                return False
-            if meta.runtime == "runsc":
-                msg = (
-                    f"sandbox {ref} runs under gVisor, whose sandboxes are deny-all for life on "
-                    "this runsc (it cannot join a prepared network namespace); make an "
-                    "isolation='namespaces' sandbox to change its network"
-                )
-            else:
-                msg = (
-                    f"sandbox {ref} was made without the network service: it has loopback "
-                    "only (deny-all) for life"
-                )
-            raise NotSupported(msg, field="network")
-        if kind not in self._networks.capabilities():
-            msg = (
-                f"network policy {kind!r} is not enforced here (sandbox networks need root, "
-                "ip and nft)"
-            )
-            raise NotSupported(msg, field="network")
-        return True
-
-    async def _switch_slirp(self, d: Path, meta: Meta, kind: str) -> None:
-        """Rootless: attach slirp4netns for ``allow-all``, detach it for ``deny-all`` (its tap
-        device goes with it, leaving loopback only). A stopped sandbox changes at its start."""
-        running = meta.init is not None and process_alive(meta.init[0], meta.init[1])
-        attached = meta.slirp is not None and process_alive(meta.slirp[0], meta.slirp[1])
-        if kind == "allow-all" and running and not attached:
-            await self._start_slirp(d, meta)
-        elif kind == "deny-all" and meta.slirp is not None:
-            slirp_pid, slirp_start = meta.slirp
-            await anyio.to_thread.run_sync(rootless.stop_slirp, slirp_pid, slirp_start)
-            meta.slirp = None
-
-    def network_events(self, ref: str, offset: int = 0) -> tuple[list[dict[str, JsonValue]], int]:
-        """The egress proxy's decisions for this sandbox since byte ``offset``."""
-        key = self._net_key(ref)
-        assert self._networks is not None
-        events, nxt = self._networks.read_events(key, offset)
-        return [e.to_json() for e in events], nxt
-
-    def suggest_network(self, ref: str) -> NetworkAllowlist:
-        """The least-privilege allowlist covering what the sandbox connected to."""
-        key = self._net_key(ref)
-        assert self._networks is not None
-        return self._networks.suggest(key)
-
     # ------------------------------------------------------------------ warm pool
-
-    def pool_sizes(self) -> dict[str, int]:
-        """The configured warm-pool size per isolation."""
-        return dict(self._pool_sizes)
-
-    def pooled(self, isolation: str = "namespaces") -> list[str]:
-        """Names of the pooled sandboxes ready to be claimed."""
-        pdir = self.state_dir / ".pool" / isolation
-        if not pdir.is_dir():
-            return []
-        return sorted(p.name for p in pdir.iterdir() if (p / "ready").exists())
-
-    async def fill_pool(self) -> None:
-        """Boot pooled sandboxes until each isolation has its configured count."""
-        self._ensure_subreaper()
-        async with self._fill_lock:
-            await self._fill_pool()
-
-    async def _fill_pool(self) -> None:
-        for isolation, size in self._pool_sizes.items():
-            runtime = ISOLATIONS[isolation]
-            if self._runtimes[runtime].available() or self.unavailable():
-                continue
-            missing = size - len(self.pooled(isolation))
-            if missing <= 0:
-                continue
-            async with anyio.create_task_group() as tg:
-                for _ in range(missing):
-                    tg.start_soon(self._pool_one, isolation, runtime)
-
-    async def _pool_one(self, isolation: str, runtime: str) -> None:
-        pdir = self.state_dir / ".pool" / isolation
-        pdir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        name = f"{POOL_PREFIX}{secrets.token_hex(6)}"
-        d = pdir / name
-        spec = SandboxSpec(network="deny-all", backend_options={"local": {"isolation": isolation}})
-        # With the operator's CAs: a pooled sandbox serves creates that ask for no others.
-        lowers = await anyio.to_thread.run_sync(self._lowers, spec, trust.certificates_for(spec))
-        meta = await anyio.to_thread.run_sync(self._provision, d, name, name, runtime, spec, lowers)
-        if self._networks is not None:
-            meta.net_key = name
-            meta.save(d / "meta.json")
-        try:
-            await self._boot(d, meta, spec)
-            ready = self._ready.pop(name, None)
-            if ready is not None:
-                await ready.close()
-            (d / "ready").touch()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._destroy_dir(d)
-            raise
-
-    async def drain_pool(self) -> None:
-        """Destroy every pooled sandbox of this state directory."""
-        for pdir in (self.state_dir / ".pool").glob("*"):
-            for d in list(pdir.iterdir()):
-                await self._destroy_dir(d)
-
-    def _poolable(self, spec: SandboxSpec) -> str | None:
-        if spec.image is not None or spec.resources.disk_mb is not None or is_strict(spec):
-            return None
-        if self._idmap is not None and (spec.network != "deny-all" or spec.workdir != "/workspace"):
-            # Rootless pooled sandboxes boot deny-all in a root that only the sandbox's own
-            # namespace can see (no working directory can be made for it from the host).
-            return None
-        if self._networks is None and spec.network != "deny-all":
-            return None
-        isolation = str(spec.options_for("local").get("isolation", "namespaces"))
-        res = spec.resources
-        if isolation == "gvisor" and (res.memory_mb or res.pids or res.vcpus):
-            # gVisor sizes its kernel from the limits at boot (memory, RLIMIT_NPROC); they
-            # cannot be changed on a running sandbox the way cgroup files can.
-            return None
-        return isolation if self._pool_sizes.get(isolation) else None
-
-    async def _claim(
-        self, sandbox_id: str, spec: SandboxSpec, runtime: str, lowers: list[Layer]
-    ) -> bool:
-        isolation = self._poolable(spec)
-        if isolation is None:
-            return False
-        # The extra CAs must be the ones the pool was made with (the operator's setting may
-        # differ between the processes sharing this state directory).
-        want = [lay.key for lay in lowers[:-1]]
-        d = self._dir(sandbox_id)
-        claimed = False
-        for name in self.pooled(isolation):
-            src = self.state_dir / ".pool" / isolation / name
-            meta_path = src / "meta.json"
-            try:
-                meta = Meta.load(meta_path)
-            except (OSError, ValueError, TypeError):
-                continue
-            if meta.init is None or not process_alive(meta.init[0], meta.init[1]):
-                continue
-            if [lay.get("key") for lay in meta.layers[:-1]] != want:
-                continue
-            if not _rename_noreplace(src, d):
-                if d.exists():
-                    break
-                continue
-            claimed = True
-            break
-        self._schedule_refill(isolation)
-        if not claimed:
-            return False
-        try:
-            meta = Meta.load(d / "meta.json")
-            meta.sandbox_id = sandbox_id
-            meta.spec = spec.model_dump(mode="json")
-            with contextlib.suppress(FileNotFoundError):
-                (d / "ready").unlink()
-            await anyio.to_thread.run_sync(self._apply_resources, meta, spec)
-            if (
-                self._networks is not None
-                and meta.net_key is not None
-                and spec.network != "deny-all"
-            ):
-                net = await self._networks.update_policy(meta.net_key, spec.network)
-                await anyio.to_thread.run_sync(
-                    _set_resolv_conf, d / "resolv.conf", _resolv_conf(net.kind, slirp=False)
-                )
-            if spec.workdir != "/workspace":
-                await anyio.to_thread.run_sync(
-                    self._ensure_workdir, self._mnt(meta.container) / "rootfs", meta
-                )
-            meta.baseline = {
-                "layers": [dict(lay) for lay in meta.layers],
-                "default_root": meta.default_root,
-                "upper": self._describe_upper(d, meta).digest,
-            }
-            meta.save(d / "meta.json")
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._destroy_dir(d)
-            raise
-        return True
-
-    def _apply_resources(self, meta: Meta, spec: SandboxSpec) -> None:
-        """Write the spec's limits into a claimed sandbox's cgroups (v1 or v2)."""
-        if meta.idmap is not None:
-            return  # rootless: no cgroups, and specs with limits are refused
-        rel = self._cgroup_rel(meta.container).lstrip("/")
-        res = spec.resources
-        v1 = Path("/sys/fs/cgroup/memory").is_dir()
-        writes: list[tuple[Path, str]] = []
-        pids = str(res.pids or oci.DEFAULT_PIDS)
-        if v1:
-            if res.memory_mb is not None:
-                limit = str(res.memory_mb << 20)
-                mem = Path("/sys/fs/cgroup/memory") / rel
-                writes += [
-                    (mem / "memory.limit_in_bytes", limit),
-                    (mem / "memory.memsw.limit_in_bytes", limit),
-                ]
-            writes.append((Path("/sys/fs/cgroup/pids") / rel / "pids.max", pids))
-            if res.vcpus is not None:
-                cpu = Path("/sys/fs/cgroup/cpu") / rel
-                writes += [
-                    (cpu / "cpu.cfs_period_us", "100000"),
-                    (cpu / "cpu.cfs_quota_us", str(max(1000, int(res.vcpus * 100000)))),
-                ]
-        else:
-            base = Path("/sys/fs/cgroup") / rel
-            if res.memory_mb is not None:
-                writes += [
-                    (base / "memory.max", str(res.memory_mb << 20)),
-                    (base / "memory.swap.max", "0"),
-                ]
-            writes.append((base / "pids.max", pids))
-            if res.vcpus is not None:
-                writes.append((base / "cpu.max", f"{max(1000, int(res.vcpus * 100000))} 100000"))
-        for path, value in writes:
-            try:
-                path.write_text(value)
-            except OSError as e:
-                if path.name == "memory.memsw.limit_in_bytes" and e.errno in (
-                    errno.ENOENT,
-                    errno.EINVAL,
-                ):
-                    continue  # no swap accounting on this kernel: the memory limit alone holds
-                msg = f"cannot apply the limit {path.name}={value} to a claimed sandbox: {e}"
-                raise BackendError(msg) from e
-
-    def _schedule_refill(self, isolation: str) -> None:
-        if self._refill is None or isolation in self._refilling:
-            return
-        self._refilling.add(isolation)
-
-        async def refill() -> None:
-            size = self._pool_sizes.get(isolation, 0)
-            try:
-                # Claims made while a refill runs are covered by looping until full.
-                while len(self.pooled(isolation)) < size:
-                    await self.fill_pool()
-            except Exception:  # a failed refill only makes the next create cold
-                pass
-            finally:
-                self._refilling.discard(isolation)
-
-        self._refill.start_soon(refill)
-
-    @contextlib.asynccontextmanager
-    async def pool_refiller(self) -> AsyncIterator[LocalBackend]:
-        """Keep the pool topped up in the background while the block runs::
-
-        async with backend.pool_refiller():
-            ...  # creates claim pooled sandboxes; claimed ones are replaced
-        """
-        async with anyio.create_task_group() as tg:
-            self._refill = tg
-            tg.start_soon(self.fill_pool)
-            try:
-                yield self
-            finally:
-                self._refill = None
-                tg.cancel_scope.cancel()
 
     # ------------------------------------------------------------------ teardown
 
