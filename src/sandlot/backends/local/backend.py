@@ -68,7 +68,7 @@ from sandlot.backends import trust
 from sandlot.backends.base import BackendState, Capabilities
 from sandlot.backends.local import layers, oci, rootless
 from sandlot.backends.local.channel import LocalChannel
-from sandlot.backends.local.execgate import ExecCall, ExecGate
+from sandlot.backends.local.execgate import ExecGate
 from sandlot.backends.local.ids import RANGE_SIZE, UidRanges
 from sandlot.backends.local.mounts import (
     UsernsHolder,
@@ -107,6 +107,7 @@ from sandlot.backends.local.state import (
     Meta,
     is_strict,
 )
+from sandlot.backends.local.strict import StrictEnforcement
 from sandlot.backends.local.teardown import Teardown
 from sandlot.backends.local.verify import Verification
 from sandlot.backends.options import check_backend_options
@@ -173,7 +174,9 @@ def _host_loader() -> tuple[str, str]:
 
 
 @final
-class LocalBackend(Network, Pool, Reset, Verification, Snapshots, Teardown, LocalState):
+class LocalBackend(
+    StrictEnforcement, Network, Pool, Reset, Verification, Snapshots, Teardown, LocalState
+):
     """Sandboxes on this host under crun (namespaces) or runsc (gVisor).
 
     Args:
@@ -1053,47 +1056,6 @@ class LocalBackend(Network, Pool, Reset, Verification, Snapshots, Teardown, Loca
         err = failed[0] if failed else None
         msg = f"sandbox {meta.sandbox_id}: the agent did not answer: {err}: {self._log_tail(d)}"
         raise SandboxTimeout(msg) from err
-
-    def _exec_listener(self, meta: Meta) -> Path:
-        # sun_path holds 108 bytes: a short name under the run directory, not the state's.
-        return self._run_root / "x" / f"{hashlib.sha256(meta.container.encode()).hexdigest()[:16]}"
-
-    def _open_execgate(self, meta: Meta, d: Path) -> None:
-        """Listen for crun's exec-notify fd (strict) and decide each program through
-        :attr:`exec_decider`, on the event loop this runs on (an allowed call once per boot)."""
-        self._close_execgate(meta.sandbox_id)
-        path = self._exec_listener(meta)
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        token = anyio.lowlevel.current_token()
-        config = json.loads((d / "config.json").read_text())
-        init = tuple(str(a) for a in config["process"]["args"])
-        sandbox_id = meta.sandbox_id
-        allowed: set[tuple[str, tuple[str, ...], str]] = set()
-
-        def quick(call: ExecCall) -> bool | None:
-            if call.path == init[0] and call.argv == init:
-                return True  # the agent itself, as this backend wrote it into config.json
-            # Only allows are kept: a repeated denial is decided (and receipted) again, so
-            # every attempt shows in the log, and a policy change can still lift it.
-            if (call.path, call.argv, call.cwd) in allowed:
-                return True
-            return None if self.exec_decider is not None else False
-
-        def decide(call: ExecCall) -> bool:
-            decider = self.exec_decider
-            if decider is None or not anyio.from_thread.run(decider, sandbox_id, call, token=token):
-                return False
-            allowed.add((call.path, call.argv, call.cwd))
-            return True
-
-        # Decisions run on worker threads, several at once: one waiting for an approval
-        # does not stop the sandbox's other programs.
-        self._execgates[sandbox_id] = ExecGate(path, decide, quick=quick)
-
-    def _close_execgate(self, sandbox_id: str) -> None:
-        gate = self._execgates.pop(sandbox_id, None)
-        if gate is not None:
-            gate.close()
 
     def _describe_upper(self, d: Path, meta: Meta) -> layers.UpperManifest:
         upper = d / "layer" / "upper"
