@@ -54,8 +54,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, final
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends.base import Capabilities
@@ -66,34 +64,19 @@ from sandlot.backends.local.execgate import ExecGate
 from sandlot.backends.local.filesystem import Filesystem
 from sandlot.backends.local.ids import UidRanges
 from sandlot.backends.local.lifecycle import Lifecycle
-from sandlot.backends.local.mounts import (
-    UsernsHolder,
-)
-from sandlot.backends.local.network import (
-    Network,
-)
+from sandlot.backends.local.mounts import UsernsHolder
+from sandlot.backends.local.network import Network
 from sandlot.backends.local.pool import Pool
 from sandlot.backends.local.reset import Reset
 from sandlot.backends.local.rootfs import RootfsCache
 from sandlot.backends.local.rootless import IdMap
-from sandlot.backends.local.runtime import (
-    Crun,
-    Runsc,
-    Runtime,
-)
+from sandlot.backends.local.runtime import Crun, Runsc, Runtime
 from sandlot.backends.local.snapshots import Snapshots
-from sandlot.backends.local.state import (
-    ISOLATIONS,
-    ExecDecider,
-    LocalState,
-)
+from sandlot.backends.local.state import ISOLATIONS, ExecDecider, LocalState
 from sandlot.backends.local.strict import StrictEnforcement
 from sandlot.backends.local.teardown import Teardown
 from sandlot.backends.local.verify import Verification
-from sandlot.errors import (
-    BackendUnavailable,
-    InvalidRequest,
-)
+from sandlot.errors import BackendUnavailable, InvalidRequest
 
 if TYPE_CHECKING:
     from sandlot.channel.base import Channel
@@ -233,8 +216,6 @@ class LocalBackend(
         for sub in (".locks", ".pool", ".snapshots", ".trash"):
             (self.state_dir / sub).mkdir(exist_ok=True, mode=0o700)
 
-    # ------------------------------------------------------------------ protocol basics
-
     @property
     def name(self) -> str:
         """``local``."""
@@ -350,24 +331,6 @@ class LocalBackend(
                     "sysctl -w kernel.unprivileged_userns_clone=1)"
                 )
         return None
-
-    # ------------------------------------------------------------------ validation
-
-    # ------------------------------------------------------------------ create
-
-    # ------------------------------------------------------------------ boot
-
-    # ------------------------------------------------------------------ lifecycle
-
-    # ------------------------------------------------------------------ snapshots
-
-    # ------------------------------------------------------------------ reset
-
-    # ------------------------------------------------------------------ network control
-
-    # ------------------------------------------------------------------ warm pool
-
-    # ------------------------------------------------------------------ teardown
 
     async def aclose(self) -> None:
         """Close cached connections and namespace fds (sandboxes keep running).

@@ -23,31 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
-from sandlot.backends.local.mounts import (
-    mount_small_tmpfs,
-    umount_tree,
-)
-from sandlot.backends.local.runtime import (
-    Crun,
-    process_alive,
-    process_start_time,
-    wait_exit,
-)
-from sandlot.backends.local.state import (
-    LocalState,
-    Meta,
-    is_strict,
-)
-from sandlot.errors import (
-    BackendError,
-    NotFound,
-    SandboxError,
-    SandboxTimeout,
-)
+from sandlot.backends.local.mounts import mount_small_tmpfs, umount_tree
+from sandlot.backends.local.runtime import Crun, process_alive, process_start_time, wait_exit
+from sandlot.backends.local.state import LocalState, Meta, is_strict
+from sandlot.errors import BackendError, NotFound, SandboxError, SandboxTimeout
 from sandlot.models import SandboxSpec
 from sandlot.taskgroups import lone_error
 

@@ -29,17 +29,9 @@ from sandlot.backends.local.network import (
 )
 from sandlot.backends.local.rootfs import HOSTNAME
 from sandlot.backends.local.rootless import IdMap
-from sandlot.backends.local.runtime import (
-    Crun,
-)
-from sandlot.backends.local.state import (
-    LocalState,
-    Meta,
-    is_strict,
-)
-from sandlot.errors import (
-    BackendUnavailable,
-)
+from sandlot.backends.local.runtime import Crun
+from sandlot.backends.local.state import LocalState, Meta, is_strict
+from sandlot.errors import BackendUnavailable
 from sandlot.models import SandboxSpec
 
 if TYPE_CHECKING:

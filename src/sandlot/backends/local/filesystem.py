@@ -21,22 +21,11 @@ from pathlib import Path
 
 from sandlot.backends.local import layers, rootless
 from sandlot.backends.local.ids import RANGE_SIZE
-from sandlot.backends.local.mounts import (
-    bind_idmapped,
-    is_mountpoint,
-    mount_overlay,
-    umount_tree,
-)
+from sandlot.backends.local.mounts import bind_idmapped, is_mountpoint, mount_overlay, umount_tree
 from sandlot.backends.local.rootfs import Layer
 from sandlot.backends.local.rootless import IdMap
-from sandlot.backends.local.state import (
-    LocalState,
-    Meta,
-)
-from sandlot.errors import (
-    BackendError,
-    BackendUnavailable,
-)
+from sandlot.backends.local.state import LocalState, Meta
+from sandlot.errors import BackendError, BackendUnavailable
 from sandlot.models import SandboxSpec
 
 

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends import trust
@@ -26,9 +24,7 @@ from sandlot.backends.local import rootless
 from sandlot.backends.local.channel import LocalChannel
 from sandlot.backends.local.ids import RANGE_SIZE
 from sandlot.backends.local.rootfs import trust_bundle
-from sandlot.backends.local.runtime import (
-    process_alive,
-)
+from sandlot.backends.local.runtime import process_alive
 from sandlot.backends.local.state import (
     ISOLATIONS,
     POOL_PREFIX,
@@ -38,13 +34,7 @@ from sandlot.backends.local.state import (
     is_strict,
 )
 from sandlot.backends.options import check_backend_options
-from sandlot.errors import (
-    BackendUnavailable,
-    InvalidRequest,
-    InvalidState,
-    NotFound,
-    NotSupported,
-)
+from sandlot.errors import BackendUnavailable, InvalidRequest, InvalidState, NotFound, NotSupported
 from sandlot.models import SandboxSpec
 
 if TYPE_CHECKING:

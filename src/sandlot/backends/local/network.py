@@ -15,22 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends.local import rootless
-from sandlot.backends.local.runtime import (
-    process_alive,
-    process_start_time,
-)
-from sandlot.backends.local.state import (
-    LocalState,
-    Meta,
-)
-from sandlot.errors import (
-    NotSupported,
-)
+from sandlot.backends.local.runtime import process_alive, process_start_time
+from sandlot.backends.local.state import LocalState, Meta
+from sandlot.errors import NotSupported
 from sandlot.models import JsonValue, NetworkAllowlist, NetworkPolicy, PortMapping
 
 if TYPE_CHECKING:

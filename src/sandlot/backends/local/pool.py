@@ -20,27 +20,15 @@ from pathlib import Path
 from typing import Self
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends import trust
 from sandlot.backends.local import oci
 from sandlot.backends.local.network import resolv_conf, set_resolv_conf
 from sandlot.backends.local.rootfs import Layer
-from sandlot.backends.local.runtime import (
-    process_alive,
-)
-from sandlot.backends.local.state import (
-    ISOLATIONS,
-    POOL_PREFIX,
-    LocalState,
-    Meta,
-    is_strict,
-)
-from sandlot.errors import (
-    BackendError,
-)
+from sandlot.backends.local.runtime import process_alive
+from sandlot.backends.local.state import ISOLATIONS, POOL_PREFIX, LocalState, Meta, is_strict
+from sandlot.errors import BackendError
 from sandlot.models import SandboxSpec
 
 _SYS_RENAMEAT2 = 316

@@ -19,25 +19,14 @@ import time
 from pathlib import Path
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends import trust
 from sandlot.backends.base import SnapshotRef
 from sandlot.backends.local import layers, rootless
-from sandlot.backends.local.state import (
-    LocalState,
-    Meta,
-)
+from sandlot.backends.local.state import LocalState, Meta
 from sandlot.backends.local.verify import build_report, check_entry, verification_error
-from sandlot.errors import (
-    BackendError,
-    InvalidRequest,
-    InvalidState,
-    NotFound,
-    SandboxError,
-)
+from sandlot.errors import BackendError, InvalidRequest, InvalidState, NotFound, SandboxError
 from sandlot.models import JsonValue, SandboxSpec
 
 

@@ -18,33 +18,17 @@ import shutil
 from pathlib import Path
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends.base import SnapshotRef
 from sandlot.backends.local import layers, rootless
 from sandlot.backends.local.ids import RANGE_SIZE
-from sandlot.backends.local.mounts import (
-    is_mountpoint,
-    umount_tree,
-)
+from sandlot.backends.local.mounts import is_mountpoint, umount_tree
 from sandlot.backends.local.rootfs import Layer
 from sandlot.backends.local.rootless import IdMap
-from sandlot.backends.local.runtime import (
-    process_alive,
-)
-from sandlot.backends.local.state import (
-    VALID_ID,
-    LocalState,
-    Meta,
-)
-from sandlot.errors import (
-    BackendError,
-    InvalidRequest,
-    NotFound,
-    SandboxError,
-)
+from sandlot.backends.local.runtime import process_alive
+from sandlot.backends.local.state import VALID_ID, LocalState, Meta
+from sandlot.errors import BackendError, InvalidRequest, NotFound, SandboxError
 from sandlot.models import SandboxSpec
 
 

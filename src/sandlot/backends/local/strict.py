@@ -18,13 +18,9 @@ from pathlib import Path
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
-import anyio.to_thread
 
 from sandlot.backends.local.execgate import ExecCall, ExecGate
-from sandlot.backends.local.state import (
-    LocalState,
-    Meta,
-)
+from sandlot.backends.local.state import LocalState, Meta
 
 
 class StrictEnforcement(LocalState):

@@ -17,30 +17,15 @@ import time
 from pathlib import Path
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends.local import rootless
 from sandlot.backends.local.channel import read_oom_kills
 from sandlot.backends.local.ids import RANGE_SIZE
-from sandlot.backends.local.mounts import (
-    umount_tree,
-)
-from sandlot.backends.local.runtime import (
-    Runtime,
-    process_alive,
-    reap,
-    wait_exit,
-)
-from sandlot.backends.local.state import (
-    POOL_PREFIX,
-    LocalState,
-    Meta,
-)
-from sandlot.errors import (
-    BackendError,
-)
+from sandlot.backends.local.mounts import umount_tree
+from sandlot.backends.local.runtime import Runtime, process_alive, reap, wait_exit
+from sandlot.backends.local.state import POOL_PREFIX, LocalState, Meta
+from sandlot.errors import BackendError
 
 
 class Teardown(LocalState):

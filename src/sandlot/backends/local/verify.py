@@ -16,23 +16,12 @@ import time
 from pathlib import Path
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 
 from sandlot.backends.local import rootless
-from sandlot.backends.local.runtime import (
-    process_alive,
-)
-from sandlot.backends.local.state import (
-    LocalState,
-    Meta,
-)
-from sandlot.errors import (
-    BackendError,
-    InvalidState,
-    VerificationFailed,
-)
+from sandlot.backends.local.runtime import process_alive
+from sandlot.backends.local.state import LocalState, Meta
+from sandlot.errors import BackendError, InvalidState, VerificationFailed
 from sandlot.models import JsonValue
 
 
