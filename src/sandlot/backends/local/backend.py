@@ -38,8 +38,13 @@ sandbox's cgroup (the agent alone) and crun's record (running, with that agent a
 
 A warm pool (``pool={"namespaces": N}``) keeps booted default-root sandboxes under
 ``<state_dir>/.pool/<isolation>/``; ``create`` claims one by an atomic ``renameat2(NOREPLACE)``
-of its directory, so two processes never claim the same one. This module must not import the
-store, the Manager or front ends.
+of its directory, so two processes never claim the same one.
+
+This module composes :class:`LocalBackend` from its parts, one module per concern (the package
+docstring lists them: :mod:`.lifecycle`, :mod:`.boot`, :mod:`.reset`, :mod:`.pool`, …) over the
+shared base :class:`.state.LocalState`, and keeps what is the backend's own: its construction,
+``capabilities``, availability and ``aclose``. It must not import the store, the Manager or
+front ends.
 """
 
 from __future__ import annotations
