@@ -1,9 +1,9 @@
 """The lifecycle of a ``local`` sandbox: create, start, stop, destroy, inspect, list, connect.
 
-These are the :class:`~sandlot.backends.base.Backend` calls; each takes the sandbox's lock
-(an ``flock`` in ``<state_dir>/.locks/``, shared with every process using this state
-directory) and composes the other parts. What the backend refuses (specs it cannot enforce
-here) is refused before anything is made. ``create`` is idempotent per sandbox id: one left by
+These are the :class:`~sandlot.backends.base.Backend` calls, composing the other parts; those
+that change a sandbox take its lock (an ``flock`` in ``<state_dir>/.locks/``, shared with every
+process using this state directory). What the backend cannot enforce here is refused before
+anything is made. ``create`` is idempotent per sandbox id: one left by
 an earlier attempt is adopted, booted again if it is not running. This module must not import
 the store, the Manager or front ends.
 """
