@@ -11,6 +11,9 @@ it with ``EPERM``. The module knows nothing of policy, receipts or the Manager.
 
 Fail closed: a notification that cannot be read (an unknown architecture, an unreadable pointer,
 an argv past :data:`MAX_ARGS` or :data:`MAX_BYTES`) or a ``decide`` that raises is a deny.
+An ``execve`` of an absolute path that names nothing inside the caller's root (:func:`absent`:
+a shell trying each ``PATH`` entry) is failed with ``ENOENT``, as the kernel would fail it,
+without asking ``decide``: nothing can run either way.
 
 The race it cannot close (``SECCOMP_USER_NOTIF_FLAG_CONTINUE``, seccomp_unotify(2)): the kernel
 reads the path and argv again after the answer, so another thread of the caller (or any task
@@ -148,8 +151,9 @@ _PAGE_MASK = ~(_PAGE - 1)
 class _Memory:
     """Another process's memory by whole pages, each read once, the pages one step of the
     parse needs in one ``process_vm_readv``: the path and the argv array together, then every
-    argv string at once. Two system calls for a usual exec, where ``/proc/PID/mem`` took an
-    open, a read per page and a close.
+    argv string at once (none when they sit on pages already read, as they usually do). One
+    or two system calls for a usual exec, where ``/proc/PID/mem`` took an open, a read per page
+    and a close.
 
     ``process_vm_readv`` needs the same ptrace access as ``/proc/PID/mem`` and, unlike it,
     honours page protections, as the kernel's own copy of the strings at ``execve`` does: a
