@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -220,11 +221,14 @@ def main() -> None:
     parser.add_argument("--no-workload", action="store_true", help="no workload table")
     args = parser.parse_args()
 
+    # The host's load is part of the result: wake-ups dominate the round trip, and they
+    # wait for a CPU.
+    load = os.getloadavg()[0]
     rows, decided = host_rows(args.n, args.rounds)
     if not args.no_sandbox:
         rows |= asyncio.run(sandbox_rows(max(50, args.n // 5), args.rounds))
     print(f"\nper execve: subprocess.run of /bin/true, {args.rounds} interleaved rounds")
-    print(f"(the host notifier decided {decided} exec calls)\n")
+    print(f"(the host notifier decided {decided} exec calls; load average {load:.1f})\n")
     print_execs(rows)
     print(f"\n{'added by strict (same run)':34}{'p50 µs':>10}{'p90 µs':>10}{'mean µs':>10}")
     print_added("host: notifier - bare", rows["host, bare"], rows["host, notifier (allow all)"])
@@ -239,7 +243,8 @@ def main() -> None:
     if args.no_sandbox or args.no_workload:
         return
     times, programs = asyncio.run(workload_rows(args.rounds))
-    print(f"\nworkloads: median wall time of sb.exec over {args.rounds} rounds\n")
+    print(f"\nworkloads: median wall time of sb.exec over {args.rounds} rounds", end="")
+    print(f" (load average {os.getloadavg()[0]:.1f})\n")
     print(f"{'':28}{'standard s':>11}{'strict s':>11}{'overhead':>10}{'decided':>9}")
     for name, by_mode in times.items():
         d, s = (statistics.median(by_mode[m]) for m in MODES)
