@@ -26,6 +26,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 from fastapi import FastAPI, Request
@@ -47,6 +48,9 @@ from sandlot.server.quotas import Quota
 from sandlot.server.redact import install as redact_logs
 from sandlot.server.routes import ROUTERS
 from sandlot.server.sessions import KeySessionGuard
+
+if TYPE_CHECKING:
+    from sandlot.server.mcp_http import McpEndpoint
 
 __all__ = ["ServerConfig", "create_app", "route_table"]
 
@@ -81,8 +85,8 @@ class ServerConfig:
         sweep_interval: Seconds between sweeps that stop sandboxes past their TTL or idle
             timeout (None: no sweeping; ``reconcile`` still does it).
         mcp: Mount the MCP endpoint at ``/mcp``.
-        self_url: This server's own base URL, through which MCP tools call the API with the
-            caller's key (default: derived from the first request's server address).
+        self_url: Unused: MCP tools call the app in process, not through a URL (kept so a
+            configuration that sets it still loads).
         enable_backends: Development backends (``fake``) tenants may pick; every other backend
             the Manager has is always offered (see :mod:`sandlot.server.offer`).
     """
@@ -137,11 +141,7 @@ def create_app(
     # The server sweeps on its own schedule (``sweep_interval``), never inline in a request.
     manager.sweep_every = None
     plane = Plane(manager, keys, cfg, output)
-    mcp_endpoint = None
-    if cfg.mcp:
-        from sandlot.server.mcp_http import McpEndpoint
-
-        mcp_endpoint = McpEndpoint(keys, cfg.self_url)
+    mcp_endpoint: McpEndpoint | None = None  # made below, once there is an app to call
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -180,6 +180,12 @@ def create_app(
     app.add_middleware(DocsGate, keys=keys, public=cfg.docs_public)
 
     _handle_errors(app)
+    if cfg.mcp:
+        from sandlot.server.inprocess import AppTransport
+        from sandlot.server.mcp_http import McpEndpoint
+
+        # The tools call this very app, with the caller's key, as one more client.
+        mcp_endpoint = McpEndpoint(keys, AppTransport(app, plane.spawn))
     for router in ROUTERS:
         app.include_router(router)
     if mcp_endpoint is not None:
