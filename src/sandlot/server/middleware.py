@@ -25,9 +25,10 @@ __all__ = ["BodyLimit", "RequestMetrics", "too_large"]
 class BodyLimit:
     """Refuse request bodies over the limit with 413, before reading them when possible.
 
-    The limit is on file content: a raw upload's body is the content, while a JSON body carries
-    it in base64 (4/3 as long, plus the rest of the request), so each is allowed what that same
-    content takes, and both refusals name the one configured limit.
+    The limit is on content: a raw upload's body (a file, or a process's standard input) is the
+    content, while a JSON body carries it in base64 (4/3 as long, plus the rest of the
+    request), so each is allowed what that same content takes, and every refusal names the one
+    configured limit.
     """
 
     def __init__(self, app: ASGIApp, limit: Callable[[], int]) -> None:
@@ -39,11 +40,12 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         content_limit = self.limit()
-        raw = str(scope.get("path", "")).endswith("/files/content")
+        what = _raw_body(str(scope.get("path", "")))
+        raw = what is not None
         limit = content_limit if raw else content_limit * 4 // 3 + 65536
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                msg = too_large(content_limit, int(value), raw=raw)
+                msg = too_large(content_limit, int(value), raw=raw, what=what or "the upload")
                 await problem(PayloadTooLarge(msg, limit=content_limit))(scope, receive, send)
                 return
         seen = 0
@@ -54,16 +56,29 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    msg = too_large(content_limit, None, raw=raw)
+                    msg = too_large(content_limit, None, raw=raw, what=what or "the upload")
                     raise PayloadTooLarge(msg, limit=content_limit)
             return message
 
         await self.app(scope, limited, send)
 
 
-def too_large(limit: int, size: int | None, *, raw: bool) -> str:
-    """One wording for every upload refusal, naming the configured limit."""
-    what = "the upload" if raw else "the files in this request (as base64 JSON)"
+def _raw_body(path: str) -> str | None:
+    """What a raw (not JSON) body to ``path`` is, in a refusal's words; None for JSON."""
+    if path.endswith("/files/content"):
+        return "the upload"
+    if path.endswith("/stdin") and "/processes/" in path:
+        return "the input"
+    return None
+
+
+def too_large(limit: int, size: int | None, *, raw: bool, what: str = "the upload") -> str:
+    """One wording for every upload refusal, naming the configured limit.
+
+    ``what`` names a raw body (a file upload, a process's input); a JSON body is its files.
+    """
+    if not raw:
+        what = "the files in this request (as base64 JSON)"
     how_big = f" ({size} bytes)" if size is not None and raw else ""
     return f"{what}{how_big} is over this server's upload limit of {limit} bytes"
 

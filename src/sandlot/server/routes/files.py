@@ -159,21 +159,28 @@ async def write_files(
     plane: PlaneDep,
     key: IdemDep,
 ) -> Response:
-    files: dict[str, bytes] = {}
-    for f in body.files:
-        try:
-            files[f.path] = b64decode(f.content)
-        except ValueError:
-            msg = f"content of {f.path} must be base64"
-            raise InvalidRequest(msg) from None
     limit = plane.config.max_upload_bytes
-    if sum(len(b) for b in files.values()) > limit:
-        raise PayloadTooLarge(too_large(limit, None, raw=False), limit=limit)
-    return json_response(
-        await plane.manager.write_files(
+    # Held in memory (the JSON, its strings, the decoded bytes), so it counts as an upload
+    # against the tenant's and the server's concurrent uploads, like a streamed one.
+    release = await plane.upload_slot(actor.tenant)
+    try:
+        files: dict[str, bytes] = {}
+        size = 0
+        for f in body.files:
+            try:
+                files[f.path] = b64decode(f.content)
+            except ValueError:
+                msg = f"content of {f.path} must be base64"
+                raise InvalidRequest(msg) from None
+            size += len(files[f.path])
+            if size > limit:
+                raise PayloadTooLarge(too_large(limit, None, raw=False), limit=limit)
+        infos = await plane.manager.write_files(
             sandbox_id, files, actor=actor, mode=body.mode, idempotency_key=key
         )
-    )
+    finally:
+        release()
+    return json_response(infos)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/files", tags=["files"], response_model=list[FileInfo])

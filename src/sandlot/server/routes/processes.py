@@ -26,6 +26,7 @@ from sandlot.server.deps import (
     shielded,
 )
 from sandlot.server.jobs import SSE_DOC, SSE_HEADERS, sse
+from sandlot.server.middleware import too_large
 from sandlot.server.plane import Plane
 from sandlot.server.problems import PayloadTooLarge, problem_body
 from sandlot.server.quotas import hold_until_exit
@@ -172,17 +173,25 @@ async def process_stdin(
     close: bool = False,
 ) -> Response:
     limit = plane.config.max_upload_bytes
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            msg = f"the input is over this server's limit of {limit} bytes"
-            raise PayloadTooLarge(msg, limit=limit)
-        parts.append(chunk)
-    await shielded(
-        plane.manager.write_stdin(sandbox_id, process_id, b"".join(parts), actor=actor, close=close)
-    )
+    # Held in memory until written, so it counts as an upload (the tenant's and the server's
+    # concurrent uploads) and is capped like one.
+    release = await plane.upload_slot(actor.tenant)
+    try:
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                msg = too_large(limit, None, raw=True, what="the input")
+                raise PayloadTooLarge(msg, limit=limit)
+            parts.append(chunk)
+        await shielded(
+            plane.manager.write_stdin(
+                sandbox_id, process_id, b"".join(parts), actor=actor, close=close
+            )
+        )
+    finally:
+        release()
     return Response(status_code=204)
 
 
