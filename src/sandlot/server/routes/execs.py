@@ -41,6 +41,11 @@ router = APIRouter()
 def _exec_call(
     plane: Plane, sandbox_id: str, body: ExecRequest, actor: Actor, key: str | None
 ) -> Callable[[Callable[[OutputChunk], Awaitable[None]] | None, object], Awaitable[ExecResult]]:
+    """The Manager call an exec request makes, given where output goes and streamed stdin.
+
+    Inline stdin is decoded here, before the caller takes an exec slot, so a bad one is a 422
+    that never waits in line.
+    """
     try:
         stdin_bytes = b64decode(body.stdin) if body.stdin is not None else None
     except ValueError:
