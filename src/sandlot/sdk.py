@@ -53,6 +53,8 @@ from sandlot.store.sql import SqlStore
 from sandlot.terminal import AsyncTerminal
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
     from sandlot.backends.base import Backend
     from sandlot.channel.base import OutputCallback, Stdin
 
@@ -431,6 +433,9 @@ class AsyncSandlot:
         engine = load_engine(policy_config(policy))
         store = SqlStore(database_url(database, home_dir))
         store.ensure_schema()
+        self.database_engine: Engine = store.engine
+        """The engine of the database the records are in (the receipts and the journal too),
+        for what shares that database: a server's command output."""
         self.receipts = ReceiptLog(
             store.engine, KeyStore.default(home_dir).active(), log_id=receipt_log_id(home_dir)
         )

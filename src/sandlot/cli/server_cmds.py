@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 
 from sandlot.cli.app import _fail, _print_json, _settings, app, err, out
-from sandlot.errors import InvalidRequest, SandboxError
+from sandlot.errors import SandboxError
 
 if TYPE_CHECKING:
     from sandlot.server.keys import ApiKeyStore
@@ -111,13 +111,8 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the HTTP API (and MCP at /mcp) until interrupted."""
-    import uvicorn
-
-    from sandlot.config import home as resolve_home
-    from sandlot.gate.offload import favour_the_event_loop
-    from sandlot.sdk import AsyncSandlot
-    from sandlot.server import ApiKeyStore, Quota, ServerConfig, create_app
-    from sandlot.server.offer import offered
+    from sandlot.server import Quota, ServerConfig
+    from sandlot.server.serve import serve as run_server
 
     config = ServerConfig(
         max_upload_bytes=max_upload_mb << 20,
@@ -138,64 +133,15 @@ def serve(
     )
 
     async def main() -> None:
-        from sandlot.server.outputlog import DatabaseExecOutputLog
-        from sandlot.server.redact import log_config
-        from sandlot.store.connect import redact_url
-
-        url = _database(database)
-        sdk = AsyncSandlot(resolve_home(_settings.home), _settings.backend, url)
-        default = sdk.manager.default_backend
-        if default not in offered(sdk.manager.backends, default, config.enable_backends):
-            await sdk.aclose()
-            msg = (
-                f"the default backend {default!r} is a development backend, not offered to "
-                f"tenants unless enabled: pass --enable-backend {default}, or choose another "
-                f"with sandlot --backend NAME serve (or SANDLOT_BACKEND)"
-            )
-            raise InvalidRequest(msg)
-        engine = sdk.manager.store.engine  # type: ignore[attr-defined]
-        # Command output lives in the database, so a client reconnecting after a restart
-        # gets the rest (or "outcome unknown" for a command that died with the server).
-        output = DatabaseExecOutputLog(
-            engine, retention=config.output_retention, max_bytes=config.output_max_bytes
+        await run_server(
+            config,
+            host=host,
+            port=port,
+            home=_settings.home,
+            backend=_settings.backend,
+            database=_database(database),
+            say=lambda line: err.print(line, markup=False),
         )
-        # After a crash: runs that died with the last server are marked unknown, intents
-        # whose worker died are settled, then records are synced with the backends.
-        abandoned = await output.mark_unknown_abandoned()
-        recovered = await sdk.manager.recover()
-        report = await sdk.manager.reconcile()
-        if abandoned or recovered or report.updated or report.reaped:
-            err.print(
-                f"recovered: {len(abandoned)} command(s) marked unknown, "
-                f"{len(recovered)} intent(s) settled, {len(report.updated)} record(s) "
-                f"updated, {len(report.reaped)} orphan(s) reaped"
-            )
-        keys = ApiKeyStore(url)
-        app_ = create_app(sdk.manager, keys, config, output_log=output)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app_,
-                host=host,
-                port=port,
-                lifespan="on",
-                log_level="info",
-                log_config=log_config(),
-            )
-        )
-        shown = f"[{host}]" if ":" in host else host
-        err.print(
-            f"sandlot {sdk.manager.default_backend} backend, database {redact_url(url)}",
-            markup=False,
-        )
-        err.print(f"serving http://{shown}:{port} (MCP at /mcp); Ctrl-C stops")
-        favour_the_event_loop()
-        try:
-            await server.serve()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await output.aclose()
-                await keys.aclose()
-                await sdk.aclose()
 
     try:
         anyio.run(main)

@@ -1,0 +1,120 @@
+"""``sandlot serve`` behind its options: open the Manager, recover from a crash, serve.
+
+:func:`serve` is the one call the command line makes once it has parsed its options: it opens
+the embedded SDK on the database, refuses a default backend tenants may not use, keeps command
+output in that same database (so a client reconnecting after a restart gets the rest, or
+"outcome unknown" for a command that died with the server), settles what the last server left
+behind, and runs the app under uvicorn until it is stopped, closing everything after.
+
+This module must not import concrete backends or the store (the SDK opens them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+
+from sandlot.errors import InvalidRequest
+from sandlot.server.app import ServerConfig, create_app
+from sandlot.server.keys import ApiKeyStore
+from sandlot.server.offer import offered
+from sandlot.server.outputlog import DatabaseExecOutputLog
+
+if TYPE_CHECKING:
+    from sandlot.sdk import AsyncSandlot
+
+__all__ = ["serve"]
+
+
+async def serve(
+    config: ServerConfig,
+    *,
+    host: str,
+    port: int,
+    home: str | Path | None,
+    backend: str | None,
+    database: str,
+    say: Callable[[str], None],
+) -> None:
+    """Serve the HTTP API (and MCP at ``/mcp``) until interrupted.
+
+    Args:
+        config: What the server allows and keeps.
+        host: Address to listen on.
+        port: Port to listen on.
+        home: State directory (None: ``$SANDLOT_HOME`` or the default).
+        backend: Default backend for new sandboxes (None: ``$SANDLOT_BACKEND`` or ``local``).
+        database: The database URL.
+        say: Where the start-up lines go (what was recovered, what is served where).
+
+    Raises:
+        InvalidRequest: The default backend is a development backend not enabled for tenants.
+    """
+    import uvicorn
+
+    from sandlot.config import home as resolve_home
+    from sandlot.gate.offload import favour_the_event_loop
+    from sandlot.sdk import AsyncSandlot
+    from sandlot.server.redact import log_config
+    from sandlot.store.connect import redact_url
+
+    sdk = AsyncSandlot(resolve_home(home), backend, database)
+    default = sdk.manager.default_backend
+    if default not in offered(sdk.manager.backends, default, config.enable_backends):
+        await sdk.aclose()
+        msg = (
+            f"the default backend {default!r} is a development backend, not offered to "
+            f"tenants unless enabled: pass --enable-backend {default}, or choose another "
+            f"with sandlot --backend NAME serve (or SANDLOT_BACKEND)"
+        )
+        raise InvalidRequest(msg)
+    # Command output lives in the database, so a client reconnecting after a restart gets the
+    # rest (or "outcome unknown" for a command that died with the server).
+    output = DatabaseExecOutputLog(
+        sdk.database_engine,
+        retention=config.output_retention,
+        max_bytes=config.output_max_bytes,
+    )
+    await _recover(sdk, output, say)
+    keys = ApiKeyStore(database)
+    app = create_app(sdk.manager, keys, config, output_log=output)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="on",
+            log_level="info",
+            log_config=log_config(),
+        )
+    )
+    shown = f"[{host}]" if ":" in host else host
+    say(f"sandlot {sdk.manager.default_backend} backend, database {redact_url(database)}")
+    say(f"serving http://{shown}:{port} (MCP at /mcp); Ctrl-C stops")
+    favour_the_event_loop()
+    try:
+        await server.serve()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await output.aclose()
+            await keys.aclose()
+            await sdk.aclose()
+
+
+async def _recover(
+    sdk: AsyncSandlot, output: DatabaseExecOutputLog, say: Callable[[str], None]
+) -> None:
+    """After a crash: runs that died with the last server are marked unknown, intents whose
+    worker died are settled, then records are synced with the backends."""
+    abandoned = await output.mark_unknown_abandoned()
+    recovered = await sdk.manager.recover()
+    report = await sdk.manager.reconcile()
+    if abandoned or recovered or report.updated or report.reaped:
+        say(
+            f"recovered: {len(abandoned)} command(s) marked unknown, "
+            f"{len(recovered)} intent(s) settled, {len(report.updated)} record(s) "
+            f"updated, {len(report.reaped)} orphan(s) reaped"
+        )
