@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar, final
 
@@ -83,6 +83,7 @@ from sandlot.models import (
     OutputChunk,
     PortMapping,
     ProcessInfo,
+    ReconcileReport,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
@@ -149,23 +150,6 @@ def command_argv(command: Command | Sequence[str]) -> tuple[list[str], str | Non
         raise InvalidRequest(msg)
     limits.check_argv(argv)
     return argv, None, {}
-
-
-@dataclass
-class ReconcileReport:
-    """What ``reconcile`` changed."""
-
-    checked: int = 0
-    updated: dict[str, str] = field(default_factory=dict)
-    """Sandbox id -> what happened (``running -> stopped (oom)``, …)."""
-    reaped: builtins.list[str] = field(default_factory=list)
-    """Backend sandboxes with our mark but no record, destroyed."""
-    errors: dict[str, str] = field(default_factory=dict)
-    """Backends or sandboxes that could not be checked (or stopped, or destroyed), and why."""
-    expired: builtins.list[str] = field(default_factory=list)
-    """Running sandboxes past their time to live or idle timeout, stopped."""
-    discarded: builtins.list[str] = field(default_factory=list)
-    """Failed creations whose time for inspection ran out, destroyed."""
 
 
 class _Outcome:
