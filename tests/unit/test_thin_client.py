@@ -56,6 +56,10 @@ def _heavy(modules: list[str]) -> list[str]:
         "from sandlot.client import AsyncClient, Client, AsyncRemoteSandbox",
         "from sandlot import AsyncSandbox, Sandbox, ExecResult, SandboxSpec",
         "import sandlot.api, sandlot.handle, sandlot.wire",
+        # Building clients (nothing listens there; nothing is sent) imports nothing more.
+        "from sandlot.client import AsyncClient, Client\n"
+        "Client('http://127.0.0.1:9').close()\n"
+        "AsyncClient('http://127.0.0.1:9')",
     ],
 )
 def test_the_client_imports_nothing_of_the_server(statement: str) -> None:
