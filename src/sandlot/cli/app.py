@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -62,10 +62,12 @@ from sandlot.cli.spec import (
     spec_from_options,
 )
 from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
-from sandlot.gate.gate import Approval
-from sandlot.models import LOCAL_ACTOR, Actor, OutputChunk, SandboxInfo, SandboxStatus
+from sandlot.models import LOCAL_ACTOR, Actor, Approval, OutputChunk, SandboxInfo, SandboxStatus
 from sandlot.sdk import AsyncSandlot
 from sandlot.taskgroups import lone_error
+
+if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
 
 __all__ = ["app", "main"]
 
@@ -175,7 +177,7 @@ def _fail(error: SandboxError, as_json: bool) -> NoReturn:
 
 def _run(
     as_json: bool,
-    body: Callable[[AsyncSandlot], Awaitable[T]],
+    body: Callable[[SandlotAPI], Awaitable[T]],
     *,
     actor: Actor | None = None,
     interrupted: Callable[[], str] | None = None,
@@ -203,9 +205,9 @@ def _run(
         if os.environ.get("SANDLOT_URL"):
             from sandlot.client import AsyncClient
 
-            # The HTTP client offers AsyncSandlot's surface method for method (a test checks).
+            # Both clients implement SandlotAPI (a test checks), so each body runs on either.
             async with AsyncClient(os.environ["SANDLOT_URL"], on_hold=held) as remote:
-                return await body(cast("AsyncSandlot", remote))
+                return await body(remote)
         async with AsyncSandlot(
             _settings.home,
             _settings.backend,
@@ -380,7 +382,7 @@ def create(
     """Create a sandbox: clone --git, run --setup, launch --start; print its id."""
     values = dict(locals())
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         full = spec_from_options(values)
 
         def show_setup(chunk: OutputChunk) -> None:
@@ -430,7 +432,7 @@ def list_(
 ) -> None:
     """List sandboxes, newest first."""
 
-    async def body(client: AsyncSandlot) -> list[SandboxInfo]:
+    async def body(client: SandlotAPI) -> list[SandboxInfo]:
         return await client.list(
             labels=parse_pairs(label, "--label"),
             status=status or None,
@@ -460,7 +462,7 @@ def list_(
 def get(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """Show one sandbox, with the cause and last output if it died."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         return (await client.get(sandbox_id)).info
 
     info = _run(as_json, body)
@@ -505,7 +507,7 @@ def exec(
 ) -> None:
     """Run a command in a sandbox, streaming its output; exit with its exit code."""
 
-    async def body(client: AsyncSandlot) -> int:
+    async def body(client: SandlotAPI) -> int:
         handle = await client.get(sandbox_id)
         result = await handle.exec(
             _command(command or [], shell),
@@ -567,7 +569,7 @@ def run(
     # --timeout here bounds the command, not the sandbox's TTL.
     values.pop("timeout")
 
-    async def body(client: AsyncSandlot) -> int:
+    async def body(client: SandlotAPI) -> int:
         cmd = _command(command or [], shell)
         full = spec_from_options(values)
         try:
@@ -619,7 +621,7 @@ def logs(
 ) -> None:
     """Print the main process's output log."""
 
-    async def body(client: AsyncSandlot) -> None:
+    async def body(client: SandlotAPI) -> None:
         handle = await client.get(sandbox_id)
         async for chunk in handle.logs(follow=follow):
             if as_json:
@@ -647,7 +649,7 @@ def write_file(
 ) -> None:
     """Write a file into a sandbox from a host file or standard input."""
 
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         try:
             bits = int(mode, 8) if mode is not None else None
         except ValueError:
@@ -686,7 +688,7 @@ def read_file(
 ) -> None:
     """Print a file from a sandbox (or save it with --out)."""
 
-    async def body(client: AsyncSandlot) -> int:
+    async def body(client: SandlotAPI) -> int:
         handle = await client.get(sandbox_id)
         if output is None:
             size = 0
@@ -768,7 +770,7 @@ def list_files(
 ) -> None:
     """List a directory in a sandbox."""
 
-    async def body(client: AsyncSandlot) -> list[object]:
+    async def body(client: SandlotAPI) -> list[object]:
         return list(await (await client.get(sandbox_id)).list_files(path))
 
     items = _run(as_json, body)
@@ -791,7 +793,7 @@ def list_files(
 
 
 def _simple(
-    name: str, doc: str, action: Callable[[AsyncSandlot, str], Awaitable[SandboxInfo]]
+    name: str, doc: str, action: Callable[[SandlotAPI, str], Awaitable[SandboxInfo]]
 ) -> None:
     """Register a command that takes an id, changes the sandbox and shows it."""
 
@@ -806,11 +808,11 @@ def _simple(
     app.command(name)(command)
 
 
-async def _stop(client: AsyncSandlot, sandbox_id: str) -> SandboxInfo:
+async def _stop(client: SandlotAPI, sandbox_id: str) -> SandboxInfo:
     return await (await client.get(sandbox_id)).stop()
 
 
-async def _resume(client: AsyncSandlot, sandbox_id: str) -> SandboxInfo:
+async def _resume(client: SandlotAPI, sandbox_id: str) -> SandboxInfo:
     return await (await client.get(sandbox_id)).resume()
 
 
@@ -833,7 +835,7 @@ def destroy(
 ) -> None:
     """Destroy a sandbox (its record stays, with the cause)."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         handle = await client.get(sandbox_id)
         return await handle.destroy(idempotency_key=idempotency_key, forget_host=forget_host)
 
@@ -857,7 +859,7 @@ def reset(
 ) -> None:
     """Return a sandbox to a snapshot and verify it; exit 1 naming what diverged if not."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         return await (await client.get(sandbox_id)).reset(snapshot_id)
 
     info = _run(as_json, body)
@@ -879,7 +881,7 @@ def keep_alive(
 ) -> None:
     """Push a sandbox's time to live out."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         return await (await client.get(sandbox_id)).keep_alive(seconds)
 
     info = _run(as_json, body)
@@ -901,7 +903,7 @@ def expose_port(
 ) -> None:
     """Publish a sandbox port on the host; print its URL."""
 
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         return await (await client.get(sandbox_id)).expose_port(port)
 
     mapping = _run(as_json, body)
@@ -916,7 +918,7 @@ def expose_port(
 def list_ports(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """List a sandbox's published ports."""
 
-    async def body(client: AsyncSandlot) -> list[object]:
+    async def body(client: SandlotAPI) -> list[object]:
         return list(await (await client.get(sandbox_id)).list_ports())
 
     items = _run(as_json, body)
@@ -933,7 +935,7 @@ def list_ports(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
 def snapshot(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """Save a sandbox's state; print the snapshot id."""
 
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         return await (await client.get(sandbox_id)).snapshot()
 
     snap = _run(as_json, body)
@@ -952,7 +954,7 @@ def restore(
 ) -> None:
     """Put a sandbox back to a snapshot's state."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         return await (await client.get(sandbox_id)).restore(snapshot_id)
 
     info = _run(as_json, body)
@@ -974,7 +976,7 @@ def fork(
 ) -> None:
     """Make new sandboxes from a sandbox's current state or a snapshot; print their ids."""
 
-    async def body(client: AsyncSandlot) -> list[SandboxInfo]:
+    async def body(client: SandlotAPI) -> list[SandboxInfo]:
         return [h.info for h in await client.fork(source, count)]
 
     infos = _run(as_json, body)
@@ -997,7 +999,7 @@ def reconcile(
     destroy failed ones kept past their time, reap orphans; exit 1 if anything could not be
     done."""
 
-    async def body(client: AsyncSandlot) -> dict[str, object]:
+    async def body(client: SandlotAPI) -> dict[str, object]:
         report = await client.reconcile(ids or None)
         return {
             "checked": report.checked,

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -31,8 +31,11 @@ from sandlot.receipts import (
     prove,
     verify_files,
 )
-from sandlot.sdk import AsyncSandlot, database_url
+from sandlot.sdk import database_url
 from sandlot.store.sql import SqlStore
+
+if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
 
 __all__ = ["approvals_app", "intents_app", "keys_app", "policy_app", "receipts_app"]
 
@@ -276,7 +279,7 @@ def approvals_list(
 ) -> None:
     """List operations waiting for approval."""
 
-    async def body(client: AsyncSandlot) -> list[object]:
+    async def body(client: SandlotAPI) -> list[object]:
         return list(await client.list_approvals(status=None if all_ else "pending"))
 
     items = _run(as_json, body)
@@ -300,7 +303,7 @@ def _operator() -> Actor:
 
 
 def _answer(approval_id: str, allow: bool, as_json: bool) -> None:
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         return await (client.approve(approval_id) if allow else client.deny(approval_id))
 
     result = _run(as_json, body, actor=_operator())
@@ -355,7 +358,7 @@ def explain(
         problem = "give the command after --"
         raise _fail(problem, 2, as_json)
 
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         handle = await client.get(sandbox_id)
         return await handle.explain(action, **args)
 

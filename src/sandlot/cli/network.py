@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from sandlot.cli.app import IdArg, JsonOpt, _print_json, _run, app, err, out
 from sandlot.cli.spec import AllowCidrOpt, AllowDomainOpt, DenyCidrOpt
 from sandlot.models import JsonValue, NetworkAllowlist, SandboxInfo
-from sandlot.sdk import AsyncSandlot
+
+if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
 
 __all__ = ["network_app"]
 
@@ -57,7 +59,7 @@ def set_policy(
     else:
         target = policy
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         raw = target if isinstance(target, str) else NetworkAllowlist.model_validate(target)
         return await (await client.get(sandbox_id)).update_network(raw)
 
@@ -77,7 +79,7 @@ def set_policy(
 def log(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """Every allowed and refused connection of the sandbox."""
 
-    async def body(client: AsyncSandlot) -> list[dict[str, JsonValue]]:
+    async def body(client: SandlotAPI) -> list[dict[str, JsonValue]]:
         return await (await client.get(sandbox_id)).network_log()
 
     events = _run(as_json, body)
@@ -96,7 +98,7 @@ def log(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
 def suggest(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """The least-privilege allowlist covering what the sandbox connected to (use record mode)."""
 
-    async def body(client: AsyncSandlot) -> NetworkAllowlist:
+    async def body(client: SandlotAPI) -> NetworkAllowlist:
         return await (await client.get(sandbox_id)).suggest_network()
 
     allowlist = _run(as_json, body)

@@ -20,7 +20,7 @@ import termios
 import threading
 import tty
 from collections.abc import Iterator
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import anyio
 import anyio.to_thread
@@ -29,8 +29,10 @@ import typer
 from sandlot.cli.app import IdArg, _run, app
 from sandlot.cli.spec import EnvOpt, parse_pairs
 from sandlot.errors import SandboxError
-from sandlot.sdk import AsyncSandlot
 from sandlot.terminal import AsyncTerminal
+
+if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
 
 __all__ = ["shell"]
 
@@ -53,7 +55,7 @@ def shell(
     """Open an interactive terminal in a sandbox; exits with the program's exit code."""
     variables = parse_pairs(env, "--env")
 
-    async def body(client: AsyncSandlot) -> int:
+    async def body(client: SandlotAPI) -> int:
         rows, cols = _window_size()
         sb = await client.get(sandbox_id)
         term = await sb.open_pty(command or None, rows=rows, cols=cols, cwd=cwd, env=variables)

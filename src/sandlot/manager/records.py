@@ -1,16 +1,16 @@
 """What the rooms read off a sandbox's record, and what reconcile and the sweep report.
 
 The statuses a creation passes through, the mark of a failed creation kept for inspection,
-time-to-live arithmetic, and :class:`ReconcileReport`. Pure: imports models only, nothing of
-the Manager's rooms.
+time-to-live arithmetic, and :class:`ReconcileReport` (defined with the wire models, which the
+HTTP client reads too, and re-exported here). Pure: imports models only, nothing of the
+Manager's rooms.
 """
 
 from __future__ import annotations
 
-import builtins
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from sandlot.models import ReconcileReport as ReconcileReport  # re-exported for the rooms
 from sandlot.models import SandboxInfo, SandboxStatus
 
 S = SandboxStatus
@@ -19,23 +19,6 @@ _KEPT = "kept_for_inspection"
 _CREATING = frozenset(
     {SandboxStatus.PROVISIONING, SandboxStatus.SETTING_UP, SandboxStatus.STARTING}
 )
-
-
-@dataclass
-class ReconcileReport:
-    """What ``reconcile`` changed."""
-
-    checked: int = 0
-    updated: dict[str, str] = field(default_factory=dict)
-    """Sandbox id -> what happened (``running -> stopped (oom)``, …)."""
-    reaped: builtins.list[str] = field(default_factory=list)
-    """Backend sandboxes with our mark but no record, destroyed."""
-    errors: dict[str, str] = field(default_factory=dict)
-    """Backends or sandboxes that could not be checked (or stopped, or destroyed), and why."""
-    expired: builtins.list[str] = field(default_factory=list)
-    """Running sandboxes past their time to live or idle timeout, stopped."""
-    discarded: builtins.list[str] = field(default_factory=list)
-    """Failed creations whose time for inspection ran out, destroyed."""
 
 
 def _past_ttl(sb: SandboxInfo, now: datetime) -> bool:

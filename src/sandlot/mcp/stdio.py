@@ -12,7 +12,8 @@ from pathlib import Path
 
 from mcp.server.mcpserver import Context
 
-from sandlot.mcp.server import SandlotApi, build_server
+from sandlot.api import SandlotAPI
+from sandlot.mcp.server import build_server
 
 __all__ = ["serve_stdio"]
 
@@ -36,7 +37,7 @@ async def serve_stdio(
         api_key: The key for ``url``.
         upload_roots: Host directories ``upload_dir`` may read.
     """
-    api: SandlotApi
+    api: SandlotAPI
     if url:
         from sandlot.client import AsyncClient
 
@@ -48,7 +49,7 @@ async def serve_stdio(
         local = AsyncSandlot(home, backend, database)
         api, closer, mode = local, local.aclose, "embedded"
 
-    async def provider(ctx: Context) -> SandlotApi:
+    async def provider(ctx: Context) -> SandlotAPI:
         return api
 
     server = build_server(provider, mode=mode, upload_roots=upload_roots)
