@@ -16,10 +16,10 @@ import stat
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar, cast
 
 import anyio
 import anyio.to_thread
@@ -67,6 +67,9 @@ from sandlot.models import LOCAL_ACTOR, Actor, OutputChunk, SandboxInfo, Sandbox
 from sandlot.sdk import AsyncSandlot
 from sandlot.taskgroups import lone_error
 
+if TYPE_CHECKING:
+    from sandlot.settings import Settings as EffectiveSettings
+
 __all__ = ["app", "main"]
 
 T = TypeVar("T")
@@ -101,9 +104,25 @@ class Settings:
     backend: str | None = None
     home: Path | None = None
     database: str | None = None
+    config: Path | None = None
+    flags: dict[str, tuple[object, str]] = field(default_factory=dict)
+    """The global options given on the command line (not from the environment), by setting,
+    with the flag's name: they rank over the environment and ``sandlot.toml``."""
 
 
 _settings = Settings()
+
+
+def _effective_settings(**flags: tuple[object, str]) -> EffectiveSettings:
+    """The settings of this invocation: the global flags (and a command's own ``flags``) over
+    the environment, ``sandlot.toml`` and the defaults."""
+    from sandlot.settings import load_settings
+
+    given = _settings.flags
+    home = _settings.home if "home" in given else None
+    config = _settings.config if "config" in given else None
+    overrides = {k: v for k, v in given.items() if k not in ("home", "config")}
+    return load_settings(home=home, config=config, overrides={**overrides, **flags})
 
 
 def _version(value: bool) -> None:
@@ -114,6 +133,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _global(
+    ctx: typer.Context,
     backend: Annotated[
         str | None,
         typer.Option(
@@ -142,6 +162,15 @@ def _global(
             show_envvar=True,
         ),
     ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar="SANDLOT_CONFIG",
+            help="Configuration file (default: sandlot.toml in the home).",
+            show_envvar=True,
+        ),
+    ] = None,
     version: Annotated[
         bool,
         typer.Option(
@@ -153,6 +182,19 @@ def _global(
     _settings.backend = backend
     _settings.home = home
     _settings.database = database
+    _settings.config = config
+    given = {"backend": backend, "home": home, "database": database, "config": config}
+    _settings.flags = {
+        key: (value, f"flag --{key}")
+        for key, value in given.items()
+        if value is not None and _from_command_line(ctx, key)
+    }
+
+
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    # By name: typer vendors its own click, whose ParameterSource is not the real click's.
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 # -- plumbing ------------------------------------------------------------------------------
@@ -207,9 +249,7 @@ def _run(
             async with AsyncClient(os.environ["SANDLOT_URL"], on_hold=held) as remote:
                 return await body(cast("AsyncSandlot", remote))
         async with AsyncSandlot(
-            _settings.home,
-            _settings.backend,
-            _settings.database,
+            settings=_effective_settings(),
             actor=actor or LOCAL_ACTOR,
             on_hold=held,
         ) as client:
