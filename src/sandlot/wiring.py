@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,8 +282,14 @@ def top_up_pools(manager: Manager) -> None:
         return
     if all(len(pooled(isolation)) >= size for isolation, size in sizes().items()):
         return
-    subprocess.Popen(
-        [sys.executable, "-m", "sandlot.wiring", str(backends.home)],
+    refill = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sandlot.wiring",
+            str(backends.home),
+            json.dumps({"local": backends.config["local"]}),
+        ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -289,14 +297,15 @@ def top_up_pools(manager: Manager) -> None:
         close_fds=True,
         env={**os.environ, "SANDLOT_HOME": str(backends.home)},
     )
+    # Reaped if this process outlives it; a daemon thread never holds up this one's exit
+    # (the refill, in its own session, carries on).
+    threading.Thread(target=refill.wait, name="sandlot-pool-refill", daemon=True).start()
 
 
-def _refill_main(home: str) -> None:
-    """``python -m sandlot.wiring HOME``: fill the home's warm pools once, unless another
-    process is at it already (then its fill covers this one's)."""
-    from sandlot.settings import load_settings
-
-    settings = load_settings(home=home)
+def _refill_main(home: str, config: str) -> None:
+    """``python -m sandlot.wiring HOME CONFIG``: fill the warm pools of the backends in CONFIG
+    (JSON: name -> constructor options) once, unless another process is at it already (then
+    its fill covers this one's)."""
     lock_path = Path(home) / "backends" / ".pool-refill.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -305,17 +314,14 @@ def _refill_main(home: str) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return
-        backends = Backends(settings.home, config=backend_config(settings))
+        backends = Backends(Path(home), config=json.loads(config))
 
         async def fill() -> None:
-            # Only the local pool: the microVM backend refills its own after each claim.
-            for name in [n for n in backends.config if n == "local"]:
+            for name in backends.config:
                 backend = backends[name]
-                filler = getattr(backend, "fill_pool", None)
                 try:
-                    if filler is not None:
-                        with contextlib.suppress(SandboxError):
-                            await filler()
+                    with contextlib.suppress(SandboxError):
+                        await backend.fill_pool()  # type: ignore[attr-defined]
                 finally:
                     await backend.aclose()
 
@@ -325,4 +331,4 @@ def _refill_main(home: str) -> None:
 
 
 if __name__ == "__main__":
-    _refill_main(sys.argv[1])
+    _refill_main(sys.argv[1], sys.argv[2])
