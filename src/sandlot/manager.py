@@ -258,6 +258,9 @@ class Manager:
             and ``list`` first sweep this host's sandboxes when the last sweep of this Manager
             is older than this many seconds (None: never; a server sweeps on its own
             schedule).
+        option_defaults: Backend options a new sandbox gets on its backend when its spec does
+            not set them (``{"local": {"isolation": "gvisor"}}``, from ``sandlot.toml``); they
+            are written into its spec, so its record says what it runs on.
     """
 
     def __init__(
@@ -272,6 +275,7 @@ class Manager:
         journal: Journal | None = None,
         failed_keep: float = FAILED_KEEP,
         sweep_every: float | None = 30.0,
+        option_defaults: Mapping[str, Mapping[str, JsonValue]] | None = None,
     ) -> None:
         if default_backend not in backends:
             msg = f"default backend {default_backend!r} is not among {sorted(backends)}"
@@ -285,6 +289,7 @@ class Manager:
         self.journal = journal
         self.failed_keep = failed_keep
         self.sweep_every = sweep_every
+        self.option_defaults = {k: dict(v) for k, v in (option_defaults or {}).items()}
         self._swept_at: float | None = None
         # Who drives a transition: this process (an identity that survives PID reuse) and a
         # nonce telling Managers of one process apart.
@@ -849,6 +854,9 @@ class Manager:
         the same key is a ``Conflict``), and a crash never allocates twice.
         """
         name = backend or self.default_backend
+        if defaults := self.option_defaults.get(name):
+            options = {**spec.backend_options, name: {**defaults, **spec.options_for(name)}}
+            spec = spec.model_copy(update={"backend_options": options})
         # Every entry point (SDK, HTTP, MCP) refuses options a known backend does not take, as
         # the CLI does; entries for backends this build does not know (a user's own, one of
         # another deployment) are theirs to read.

@@ -38,6 +38,7 @@ from sandlot.errors import PolicyDenied, SandboxError
 from sandlot.gate.gate import Approval, Gate
 from sandlot.journal import Journal, process_owner
 from sandlot.manager import Manager
+from sandlot.models import JsonValue
 from sandlot.policy import PolicyConfig, load_engine
 from sandlot.receipts import KeyStore, Receipt, ReceiptLog
 from sandlot.store.sql import SqlStore
@@ -55,6 +56,7 @@ __all__ = [
     "open_journal",
     "open_receipt_log",
     "open_store",
+    "option_defaults",
     "policy_config",
     "signing_keys",
     "top_up_pools",
@@ -120,6 +122,13 @@ def backend_config(settings: Settings) -> dict[str, dict[str, object]]:
     if settings.values.backends.microvm.pool:
         config["microvm"] = {"pool_size": settings.values.backends.microvm.pool}
     return config
+
+
+def option_defaults(settings: Settings) -> dict[str, dict[str, JsonValue]]:
+    """The backend options a new sandbox gets when its spec leaves them out (only those the
+    settings change: a spec without them means what it always meant)."""
+    isolation = settings.values.backends.local.isolation
+    return {"local": {"isolation": isolation}} if isolation != "namespaces" else {}
 
 
 def open_store(url: str) -> SqlStore:
@@ -218,6 +227,7 @@ def build_manager(
         default_backend=name,
         gate=gate,
         journal=Journal(store.engine, owner=process_owner()),
+        option_defaults=option_defaults(settings),
     )
     return Wired(manager=manager, store=store, receipts=receipts, url=url)
 

@@ -14,6 +14,7 @@ import pytest
 from sandlot.errors import InvalidRequest
 from sandlot.sdk import AsyncSandlot
 from sandlot.settings import load_settings
+from sandlot.testing import FakeBackend
 
 SANDLOT = [sys.executable, "-m", "sandlot"]
 
@@ -219,3 +220,21 @@ def test_the_cli_creates_on_the_files_backend(config_file: Path) -> None:
     info = json.loads(proc.stdout)
     assert info["backend"] == "fake"
     assert sandlot("destroy", info["id"]).returncode == 0
+
+
+async def test_the_files_local_isolation_is_the_default_a_spec_may_override(
+    config_file: Path,
+) -> None:
+    write(config_file, '[backends.local]\nisolation = "gvisor"\n')
+    # A fake standing in for the local backend: the Manager's defaulting is what is tested.
+    async with AsyncSandlot(backends={"local": FakeBackend()}) as client:
+        plain = await client.create()
+        assert plain.info.backend == "local"
+        assert plain.info.spec.backend_options == {"local": {"isolation": "gvisor"}}
+        chosen = await client.create(backend_options={"local": {"isolation": "namespaces"}})
+        assert chosen.info.spec.backend_options == {"local": {"isolation": "namespaces"}}
+        both = await client.create(backend_options={"microvm": {}, "local": {}})
+        assert both.info.spec.backend_options["local"] == {"isolation": "gvisor"}
+    write(config_file, "")
+    async with AsyncSandlot(backends={"local": FakeBackend()}) as client:
+        assert (await client.create()).info.spec.backend_options == {}
