@@ -34,23 +34,27 @@ import anyio
 
 from sandlot.backends.registry import Backends, default_backend_name
 from sandlot.config import default_database_url, receipt_log_id
-from sandlot.errors import PolicyDenied, SandboxError
-from sandlot.gate.gate import Approval, Gate
-from sandlot.journal import Journal, process_owner
-from sandlot.manager import Manager
-from sandlot.models import JsonValue
-from sandlot.policy import PolicyConfig, load_engine
-from sandlot.receipts import KeyStore, Receipt, ReceiptLog
-from sandlot.store.sql import SqlStore
+from sandlot.errors import SandboxError
 
+# The heavy parts (SQLAlchemy, cryptography, Cedar, the Manager) are imported where they are
+# built, so a command that only reads a setting or checks a database does not load them.
 if TYPE_CHECKING:
     from sandlot.backends.base import Backend
+    from sandlot.errors import PolicyDenied
+    from sandlot.gate.gate import Approval
+    from sandlot.journal import Journal
+    from sandlot.manager import Manager
+    from sandlot.models import JsonValue
+    from sandlot.policy import PolicyConfig
+    from sandlot.receipts import KeyStore, Receipt, ReceiptLog
     from sandlot.settings import Settings
+    from sandlot.store.sql import SqlStore
 
 __all__ = [
     "Wired",
     "backend_config",
     "build_manager",
+    "check_database",
     "database_url",
     "fill_pools",
     "open_journal",
@@ -58,6 +62,7 @@ __all__ = [
     "open_store",
     "option_defaults",
     "policy_config",
+    "redact_url",
     "signing_keys",
     "top_up_pools",
     "warm_pools",
@@ -92,11 +97,27 @@ def database_url(database: str | None, home_dir: Path) -> str:
     return parse_database(default_database_url(home_dir) if database is None else database)
 
 
+def check_database(url: str) -> None:
+    """Connect to ``url`` and run one query; raise what a user of it would see if that fails."""
+    from sandlot.store.connect import check_database as check
+
+    check(url)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password shown as ``***`` (for printing where it came from)."""
+    from sandlot.store.connect import redact_url as redact
+
+    return redact(url)
+
+
 def policy_config(
     policy: str | Path | Sequence[str | Path] | PolicyConfig | None,
 ) -> PolicyConfig:
     """The gate's policy configuration from policy files (one or several), a ready
     configuration, or None (``$SANDLOT_POLICY``, ``:``-separated, else the shipped default)."""
+    from sandlot.policy import PolicyConfig
+
     if isinstance(policy, PolicyConfig):
         return policy
     if policy is None:
@@ -133,6 +154,8 @@ def option_defaults(settings: Settings) -> dict[str, dict[str, JsonValue]]:
 
 def open_store(url: str) -> SqlStore:
     """The record store at ``url``, its schema brought up to date."""
+    from sandlot.store.sql import SqlStore
+
     store = SqlStore(url)
     store.ensure_schema()
     return store
@@ -140,6 +163,8 @@ def open_store(url: str) -> SqlStore:
 
 def signing_keys(home_dir: Path) -> KeyStore:
     """The home's receipt-signing keys."""
+    from sandlot.receipts import KeyStore
+
     return KeyStore.default(home_dir)
 
 
@@ -147,6 +172,8 @@ def signing_keys(home_dir: Path) -> KeyStore:
 def open_receipt_log(home_dir: Path, url: str) -> Iterator[ReceiptLog]:
     """This home's receipt log in the database at ``url``, closed (and its connections
     released) on leaving."""
+    from sandlot.receipts import ReceiptLog
+
     store = open_store(url)
     try:
         log = ReceiptLog(
@@ -163,6 +190,8 @@ def open_receipt_log(home_dir: Path, url: str) -> Iterator[ReceiptLog]:
 @contextlib.contextmanager
 def open_journal(url: str) -> Iterator[Journal]:
     """The intent journal in the database at ``url``, its connections released on leaving."""
+    from sandlot.journal import Journal, process_owner
+
     store = open_store(url)
     try:
         yield Journal(store.engine, owner=process_owner())
@@ -195,6 +224,12 @@ def build_manager(
     Raises:
         InvalidRequest: The policy does not load, the database URL or backend is unknown.
     """
+    from sandlot.gate.gate import Gate
+    from sandlot.journal import Journal, process_owner
+    from sandlot.manager import Manager
+    from sandlot.policy import PolicyConfig, load_engine
+    from sandlot.receipts import ReceiptLog
+
     home_dir = settings.home
     name = settings.values.backend
     if name is None and backends is not None and len(backends) == 1:

@@ -1101,8 +1101,12 @@ def _main_json() -> int:
 @app.command()
 def doctor(as_json: JsonOpt = False) -> None:
     """Check which backends work on this host, and how to fix those that don't."""
-    home = _settings.home
-    raise typer.Exit(run_doctor(home, _settings.database, as_json=as_json, console=out))
+    try:
+        settings = _effective_settings()
+    except SandboxError as e:
+        _fail(e, as_json)
+    home, database = settings.home, settings.values.database
+    raise typer.Exit(run_doctor(home, database, as_json=as_json, console=out))
 
 
 def main() -> None:
