@@ -275,12 +275,16 @@ def mcp_stdio(
 
     from sandlot.mcp.stdio import serve_stdio
 
+    url = os.environ.get("SANDLOT_URL") or None
+
     async def main() -> None:
         await serve_stdio(
             home=_settings.home,
             backend=_settings.backend,
             database=_settings.database,
-            url=os.environ.get("SANDLOT_URL") or None,
+            # Embedded: the same settings (sandlot.toml, --config) as every other command.
+            settings=None if url else _effective_settings(),
+            url=url,
             api_key=os.environ.get("SANDLOT_API_KEY") or None,
             upload_roots=list(share or []),
         )

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mcp.server.mcpserver import Context
 
 from sandlot.mcp.server import SandlotApi, build_server
+
+if TYPE_CHECKING:
+    from sandlot.settings import Settings
 
 __all__ = ["serve_stdio"]
 
@@ -25,6 +29,7 @@ async def serve_stdio(
     url: str | None = None,
     api_key: str | None = None,
     upload_roots: Sequence[Path] = (),
+    settings: Settings | None = None,
 ) -> None:
     """Serve the tools on stdin/stdout until the client closes the stream.
 
@@ -35,6 +40,8 @@ async def serve_stdio(
         url: A sandlot server to use instead of an embedded Manager.
         api_key: The key for ``url``.
         upload_roots: Host directories ``upload_dir`` may read.
+        settings: The embedded Manager's settings, resolved already (the CLI's); then
+            ``home``, ``backend`` and ``database`` are unused.
     """
     api: SandlotApi
     if url:
@@ -45,7 +52,7 @@ async def serve_stdio(
     else:
         from sandlot.sdk import AsyncSandlot
 
-        local = AsyncSandlot(home, backend, database)
+        local = AsyncSandlot(home, backend, database, settings=settings)
         api, closer, mode = local, local.aclose, "embedded"
 
     async def provider(ctx: Context) -> SandlotApi:

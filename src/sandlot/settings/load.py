@@ -237,7 +237,7 @@ _UNSHOWN = object()
 def _message(source: str, key: str, what: str, got: object = _UNSHOWN) -> str:
     *tables, leaf = key.split(".")
     said = "" if got is _UNSHOWN else f", got {_shown(got)}"
-    if source.startswith(("env ", "flag ")):
+    if source.startswith(("env ", "flag ", "argument ")):
         return f"{source.split(' ', 1)[1]}: {what}{said}"
     named = f"[{'.'.join(tables)}] {leaf}" if tables else leaf
     return f"{source}: {named}: {what}{said}"
