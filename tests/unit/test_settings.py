@@ -238,3 +238,18 @@ async def test_the_files_local_isolation_is_the_default_a_spec_may_override(
     write(config_file, "")
     async with AsyncSandlot(backends={"local": FakeBackend()}) as client:
         assert (await client.create()).info.spec.backend_options == {}
+
+
+def test_reading_settings_loads_nothing_heavy() -> None:
+    """Every command reads its settings first: that must not cost the database layer, the
+    crypto or the Manager (the wiring imports them only where it builds them)."""
+    code = (
+        "import sys, sandlot.settings, sandlot.wiring\n"
+        "heavy = ['sqlalchemy', 'cryptography', 'cedarpy', 'sandlot.manager', 'sandlot.store',"
+        " 'sandlot.receipts', 'sandlot.journal']\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert proc.stdout.strip() == "[]"
