@@ -119,10 +119,16 @@ def _effective_settings(**flags: tuple[object, str]) -> EffectiveSettings:
     from sandlot.settings import load_settings
 
     given = _settings.flags
-    home = _settings.home if "home" in given else None
     config = _settings.config if "config" in given else None
     overrides = {k: v for k, v in given.items() if k not in ("home", "config")}
-    return load_settings(home=home, config=config, overrides={**overrides, **flags})
+    return load_settings(
+        # Passed even when it came from $SANDLOT_HOME, so an unusable home is reported as the
+        # CLI always did (naming both --home and SANDLOT_HOME).
+        home=_settings.home,
+        home_source=None if "home" in given or _settings.home is None else "env SANDLOT_HOME",
+        config=config,
+        overrides={**overrides, **flags},
+    )
 
 
 def _version(value: bool) -> None:

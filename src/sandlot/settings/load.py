@@ -84,6 +84,7 @@ def load_settings(
     config: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, tuple[object, str]] | None = None,
     environ: Mapping[str, str] | None = None,
+    home_source: str | None = None,
 ) -> Settings:
     """The effective settings: ``overrides`` > ``environ`` > the file > the defaults.
 
@@ -95,6 +96,8 @@ def load_settings(
             with the label its source is shown as (``("8471", "flag --port")``). A None
             value is no override.
         environ: The environment (default ``os.environ``).
+        home_source: Where an explicit ``home`` came from, when not a flag (the CLI's parser
+            reads ``--home`` and ``$SANDLOT_HOME`` into one value).
 
     Raises:
         InvalidRequest: The file cannot be read or is not TOML, or a key is unknown, or a
@@ -103,7 +106,7 @@ def load_settings(
     """
     env = os.environ if environ is None else environ
     if home is not None:
-        home_source = "flag --home"
+        home_source = home_source or "flag --home"
     elif env.get("SANDLOT_HOME"):
         home_source = "env SANDLOT_HOME"
     else:
