@@ -253,3 +253,17 @@ def test_reading_settings_loads_nothing_heavy() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert proc.stdout.strip() == "[]"
+
+
+def test_pool_tables_become_the_backends_constructor_options(config_file: Path) -> None:
+    from sandlot.wiring import backend_config
+
+    assert backend_config(load_settings(environ={})) == {}  # unconfigured: built as before
+    write(
+        config_file,
+        "[backends.local.pool]\nnamespaces = 2\ngvisor = 1\n[backends.microvm]\npool = 3\n",
+    )
+    assert backend_config(load_settings(environ={})) == {
+        "local": {"pool": {"namespaces": 2, "gvisor": 1}},
+        "microvm": {"pool_size": 3},
+    }
