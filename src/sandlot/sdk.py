@@ -17,7 +17,6 @@ from __future__ import annotations
 import builtins
 import functools
 import logging
-import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -25,13 +24,10 @@ from typing import TYPE_CHECKING, Self, final
 
 import anyio.to_thread
 
-from sandlot.backends.registry import Backends, default_backend_name
-from sandlot.config import default_database_url, receipt_log_id
-from sandlot.config import home as resolve_home
+from sandlot import wiring
 from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
-from sandlot.gate.gate import Approval, Gate
+from sandlot.gate.gate import Approval
 from sandlot.handle import AsyncSandbox
-from sandlot.journal import Journal, process_owner
 from sandlot.manager import Manager
 from sandlot.models import (
     LOCAL_ACTOR,
@@ -52,10 +48,10 @@ from sandlot.models import (
     SandboxStatus,
     SnapshotInfo,
 )
-from sandlot.policy import PolicyConfig, load_engine
-from sandlot.receipts import KeyStore, Receipt, ReceiptLog
+from sandlot.policy import PolicyConfig
+from sandlot.receipts import Receipt
+from sandlot.settings import Settings, load_settings
 from sandlot.shared import Creating, build_spec
-from sandlot.store.sql import SqlStore
 from sandlot.wire import ExecRequest, StartProcessRequest
 
 if TYPE_CHECKING:
@@ -68,36 +64,16 @@ __all__ = ["AsyncSandbox", "AsyncSandlot", "ManagerPlane", "database_url"]
 
 
 def database_url(database: str | None, home_dir: Path) -> str:
-    """A SQLAlchemy URL from a URL, a SQLite file path, or nothing (``$SANDLOT_DATABASE_URL``,
-    else the home's SQLite file).
-
-    A bare path must name an existing file or end in ``.db``, ``.sqlite`` or ``.sqlite3`` (so
-    a mistyped URL is refused rather than becoming a new file); ``sqlite:///PATH`` takes any.
-
-    Raises:
-        InvalidRequest: ``database`` is none of those, or names an unsupported database.
-    """
-    from sandlot.store.connect import parse_database
-
-    return parse_database(default_database_url(home_dir) if database is None else database)
+    """A SQLAlchemy URL from a URL, a SQLite file path, or nothing (see
+    :func:`sandlot.wiring.database_url`, which this is)."""
+    return wiring.database_url(database, home_dir)
 
 
 def policy_config(
     policy: str | Path | Sequence[str | Path] | PolicyConfig | None,
 ) -> PolicyConfig:
     """The gate's policy configuration from what a caller passed (or the environment)."""
-    if isinstance(policy, PolicyConfig):
-        return policy
-    if policy is None:
-        raw = os.environ.get("SANDLOT_POLICY")
-        if not raw:
-            return PolicyConfig()
-        paths: list[str | Path] = list(raw.split(":"))
-    elif isinstance(policy, (str, Path)):
-        paths = [policy]
-    else:
-        paths = list(policy)
-    return PolicyConfig(policy_paths=tuple(str(p) for p in paths))
+    return wiring.policy_config(policy)
 
 
 @final
@@ -289,19 +265,26 @@ class AsyncSandlot:
 
     Args:
         home: State directory (default ``$SANDLOT_HOME`` or ``~/.local/share/sandlot``).
-        backend: Backend for new sandboxes (default ``$SANDLOT_BACKEND`` or ``local``).
-        database: A database URL or SQLite file path (default: ``sandlot.db`` in the home).
+        backend: Backend for new sandboxes (default ``$SANDLOT_BACKEND``, else ``backend`` in
+            ``sandlot.toml``, else ``local``).
+        database: A database URL or SQLite file path (default ``$SANDLOT_DATABASE_URL``, else
+            ``database`` in ``sandlot.toml``, else ``sandlot.db`` in the home).
         backends: Backend objects to use instead of the built-in ones, by name (tests pass a
             ``FakeBackend`` here).
         actor: Who the calls act as (tenant and principal).
         policy: The policy the gate decides with: Cedar policy files (a path or a list), a
             :class:`~sandlot.policy.PolicyConfig`, or None for ``$SANDLOT_POLICY`` (a file or
-            ``:``-separated files) or else the shipped default policy.
+            ``:``-separated files), else ``policy`` in ``sandlot.toml``, else the shipped
+            default policy.
         hold_timeout: Seconds a HOLD decision waits for an approval before it is a denial.
         on_deny: Called with each ``PolicyDenied`` before it is raised.
         on_hold: Called with the pending :class:`Approval` when an operation of this client
             is held for approval, as its wait begins (say how to approve it).
         on_receipt: Called with each signed receipt after it is written.
+        config: The configuration file (default ``$SANDLOT_CONFIG``, else ``sandlot.toml`` in
+            the home, which may be absent): backends' warm pools, the policy, the database.
+        settings: Settings resolved already (:func:`sandlot.settings.load_settings`; the CLI
+            passes its own); ``home``, ``backend``, ``database`` and ``config`` are then unused.
     """
 
     def __init__(
@@ -317,43 +300,46 @@ class AsyncSandlot:
         on_deny: Callable[[PolicyDenied], object] | None = None,
         on_receipt: Callable[[Receipt], None] | None = None,
         on_hold: Callable[[Approval], object] | None = None,
+        config: str | Path | None = None,
+        settings: Settings | None = None,
     ) -> None:
-        home_dir = resolve_home(home)
-        if backend is None and backends is not None and len(backends) == 1:
-            # One backend handed in by the caller (a test's FakeBackend) is the default.
-            backend = next(iter(backends))
-        if backend is None or backend not in (backends or {}):
-            backend = default_backend_name(backend)
-        self.home = home_dir
+        if settings is None:
+            # Arguments rank as flags do: over the environment, the file and the defaults. A
+            # backend object handed in under its own name is chosen by that name, not checked
+            # against the built-in ones.
+            own = backend is not None and backend in (backends or {})
+            settings = load_settings(
+                home=home,
+                config=config,
+                overrides={
+                    "backend": (None if own else backend, "argument backend"),
+                    "database": (database, "argument database"),
+                },
+            )
+            if own:
+                settings = _with_backend(settings, backend)
+        self.home = settings.home
+        self.settings = settings
+        """The effective settings (``settings.sources`` says where each came from)."""
         self.actor = actor
-        # First: a policy file that does not load is one clear error, with nothing opened yet.
-        engine = load_engine(policy_config(policy))
-        store = SqlStore(database_url(database, home_dir))
-        store.ensure_schema()
-        self.database_engine: Engine = store.engine
-        """The engine of the database the records are in (the receipts and the journal too),
-        for what shares that database: a server's command output."""
-        self.receipts = ReceiptLog(
-            store.engine, KeyStore.default(home_dir).active(), log_id=receipt_log_id(home_dir)
-        )
-        """The signed receipt log (in the same database as the records)."""
-        if on_receipt is not None:
-            self.receipts.on_receipt(on_receipt)
-        gate = Gate(
-            engine,
-            self.receipts,
-            store.engine,
+        wired = wiring.build_manager(
+            settings,
+            backends=backends,
+            policy=policy,
             hold_timeout=hold_timeout,
             on_deny=on_deny,
+            on_receipt=on_receipt,
             on_hold=on_hold,
         )
-        self.manager = Manager(
-            store,
-            Backends(home_dir, extra=backends),
-            default_backend=backend,
-            gate=gate,
-            journal=Journal(store.engine, owner=process_owner()),
-        )
+        self.store = wired.store
+        self.database_engine: Engine = wired.store.engine
+        """The engine of the database the records are in (the receipts and the journal too),
+        for what shares that database: a server's command output."""
+        self.database_url = wired.url
+        """The database the records (and receipts) are in."""
+        self.receipts = wired.receipts
+        """The signed receipt log (in the same database as the records)."""
+        self.manager = wired.manager
 
     @functools.cached_property
     def _plane(self) -> ManagerPlane:
@@ -379,6 +365,9 @@ class AsyncSandlot:
             await anyio.to_thread.run_sync(self._final_checkpoint)
         finally:
             try:
+                # A create of this process may have drawn on a warm pool that nothing here
+                # will refill (a CLI command ends now).
+                wiring.top_up_pools(self.manager)
                 await self.manager.aclose()
             finally:
                 self.receipts.close()
@@ -497,3 +486,12 @@ if TYPE_CHECKING:
     # mypy checks these against their protocols here, member by member.
     _IMPLEMENTS: type[SandlotAPI] = AsyncSandlot
     _PLANE: type[ControlPlane] = ManagerPlane
+
+
+def _with_backend(settings: Settings, name: str | None) -> Settings:
+    """``settings`` with a caller's own backend object (``backends={name: …}``) as default."""
+    import dataclasses
+
+    values = settings.values.model_copy(update={"backend": name})
+    sources = {**settings.sources, "backend": "argument backend"}
+    return dataclasses.replace(settings, values=values, sources=sources)

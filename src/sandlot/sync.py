@@ -57,9 +57,11 @@ class Sandlot(SyncClientBase[AsyncSandlot]):
         on_deny: Callable[[PolicyDenied], object] | None = None,
         on_receipt: Callable[[Receipt], None] | None = None,
         on_hold: Callable[[Approval], object] | None = None,
+        config: str | Path | None = None,
     ) -> None:
         self._loop = EventLoopThread()
         options = {
+            "config": config,
             "backends": backends,
             "actor": actor,
             "policy": policy,

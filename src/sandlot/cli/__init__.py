@@ -4,7 +4,7 @@ The command groups register themselves on ``app`` when imported, here, so that `
 complete whichever way the CLI is entered.
 """
 
-from sandlot.cli import governance, images, network, server_cmds, shell
+from sandlot.cli import config_cmds, governance, images, network, server_cmds, shell
 from sandlot.cli.app import app, main
 
-__all__ = ["app", "governance", "images", "main", "network", "server_cmds", "shell"]
+__all__ = ["app", "config_cmds", "governance", "images", "main", "network", "server_cmds", "shell"]

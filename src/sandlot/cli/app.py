@@ -16,7 +16,7 @@ import stat
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
@@ -68,6 +68,7 @@ from sandlot.taskgroups import lone_error
 
 if TYPE_CHECKING:
     from sandlot.api import SandlotAPI
+    from sandlot.settings import Settings as EffectiveSettings
 
 __all__ = ["app", "main"]
 
@@ -103,9 +104,31 @@ class Settings:
     backend: str | None = None
     home: Path | None = None
     database: str | None = None
+    config: Path | None = None
+    flags: dict[str, tuple[object, str]] = field(default_factory=dict)
+    """The global options given on the command line (not from the environment), by setting,
+    with the flag's name: they rank over the environment and ``sandlot.toml``."""
 
 
 _settings = Settings()
+
+
+def _effective_settings(**flags: tuple[object, str]) -> EffectiveSettings:
+    """The settings of this invocation: the global flags (and a command's own ``flags``) over
+    the environment, ``sandlot.toml`` and the defaults."""
+    from sandlot.settings import load_settings
+
+    given = _settings.flags
+    config = _settings.config if "config" in given else None
+    overrides = {k: v for k, v in given.items() if k not in ("home", "config")}
+    return load_settings(
+        # Passed even when it came from $SANDLOT_HOME, so an unusable home is reported as the
+        # CLI always did (naming both --home and SANDLOT_HOME).
+        home=_settings.home,
+        home_source=None if "home" in given or _settings.home is None else "env SANDLOT_HOME",
+        config=config,
+        overrides={**overrides, **flags},
+    )
 
 
 def _version(value: bool) -> None:
@@ -116,6 +139,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _global(
+    ctx: typer.Context,
     backend: Annotated[
         str | None,
         typer.Option(
@@ -144,6 +168,15 @@ def _global(
             show_envvar=True,
         ),
     ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar="SANDLOT_CONFIG",
+            help="Configuration file (default: sandlot.toml in the home).",
+            show_envvar=True,
+        ),
+    ] = None,
     version: Annotated[
         bool,
         typer.Option(
@@ -155,6 +188,19 @@ def _global(
     _settings.backend = backend
     _settings.home = home
     _settings.database = database
+    _settings.config = config
+    given = {"backend": backend, "home": home, "database": database, "config": config}
+    _settings.flags = {
+        key: (value, f"flag --{key}")
+        for key, value in given.items()
+        if value is not None and _from_command_line(ctx, key)
+    }
+
+
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    # By name: typer vendors its own click, whose ParameterSource is not the real click's.
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 # -- plumbing ------------------------------------------------------------------------------
@@ -209,9 +255,7 @@ def _run(
             async with AsyncClient(os.environ["SANDLOT_URL"], on_hold=held) as remote:
                 return await body(remote)
         async with AsyncSandlot(
-            _settings.home,
-            _settings.backend,
-            _settings.database,
+            settings=_effective_settings(),
             actor=actor or LOCAL_ACTOR,
             on_hold=held,
         ) as client:
@@ -1063,8 +1107,12 @@ def _main_json() -> int:
 @app.command()
 def doctor(as_json: JsonOpt = False) -> None:
     """Check which backends work on this host, and how to fix those that don't."""
-    home = _settings.home
-    raise typer.Exit(run_doctor(home, _settings.database, as_json=as_json, console=out))
+    try:
+        settings = _effective_settings()
+    except SandboxError as e:
+        _fail(e, as_json)
+    home, database = settings.home, settings.values.database
+    raise typer.Exit(run_doctor(home, database, as_json=as_json, console=out))
 
 
 def main() -> None:

@@ -18,21 +18,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from sandlot.cli.app import JsonOpt, _print_json, _run, _settings, app, err, out
-from sandlot.config import receipt_log_id
+from sandlot.cli.app import JsonOpt, _effective_settings, _print_json, _run, app, err, out
 from sandlot.errors import InvalidRequest, SandboxError
-from sandlot.journal import Journal, process_owner
 from sandlot.models import Actor
-from sandlot.receipts import (
-    KeyStore,
-    ReceiptLog,
-    TrustRoot,
-    proof_problem,
-    prove,
-    verify_files,
-)
-from sandlot.sdk import database_url
-from sandlot.store.sql import SqlStore
+from sandlot.receipts import TrustRoot, proof_problem, prove, verify_files
+
+if TYPE_CHECKING:
+    from sandlot.journal import Journal
+    from sandlot.receipts import ReceiptLog
 
 if TYPE_CHECKING:
     from sandlot.api import SandlotAPI
@@ -68,22 +61,15 @@ def _fail(message: str, code: int, as_json: bool) -> typer.Exit:
 @contextmanager
 def _log(as_json: bool = False) -> Iterator[ReceiptLog]:
     """The receipt log of the configured home and database."""
-    from sandlot.config import home as resolve_home
+    from sandlot.wiring import database_url, open_receipt_log
 
     try:
-        home = resolve_home(_settings.home)
-        store = SqlStore(database_url(_settings.database, home))
-        store.ensure_schema()
-        log = ReceiptLog(store.engine, KeyStore.default(home).active(), log_id=receipt_log_id(home))
+        settings = _effective_settings()
+        url = database_url(settings.values.database, settings.home)
+        with open_receipt_log(settings.home, url) as log:
+            yield log
     except SandboxError as e:
         raise _fail(e.message, 1, as_json) from None
-    try:
-        yield log
-    except SandboxError as e:
-        raise _fail(e.message, 1, as_json) from None
-    finally:
-        log.close()
-        store.engine.dispose()
 
 
 # -- receipts --------------------------------------------------------------------------------
@@ -254,9 +240,9 @@ def export_trust_root(
 @keys_app.command("rotate")
 def rotate(as_json: JsonOpt = False) -> None:
     """Make a new signing key; the log records the change signed by both keys."""
-    from sandlot.config import home as resolve_home
+    from sandlot.wiring import signing_keys
 
-    keys = KeyStore.default(resolve_home(_settings.home))
+    keys = signing_keys(_effective_settings().home)
     with _log(as_json) as log:
         new = keys.generate()
         receipt = log.rotate(new)
@@ -383,19 +369,14 @@ app.add_typer(intents_app, name="intents")
 
 @contextmanager
 def _journal(as_json: bool = False) -> Iterator[Journal]:
-    from sandlot.config import home as resolve_home
+    from sandlot.wiring import database_url, open_journal
 
     try:
-        store = SqlStore(database_url(_settings.database, resolve_home(_settings.home)))
-        store.ensure_schema()
+        settings = _effective_settings()
+        with open_journal(database_url(settings.values.database, settings.home)) as journal:
+            yield journal
     except SandboxError as e:
         raise _fail(e.message, 1, as_json) from None
-    try:
-        yield Journal(store.engine, owner=process_owner())
-    except SandboxError as e:
-        raise _fail(e.message, 1, as_json) from None
-    finally:
-        store.engine.dispose()
 
 
 @intents_app.command("list")

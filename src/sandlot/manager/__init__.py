@@ -84,4 +84,7 @@ class Manager(Lifecycle, Session, Files, Snapshots, Network, Housekeeping, Recov
             and ``list`` first sweep this host's sandboxes when the last sweep of this Manager
             is older than this many seconds (None: never; a server sweeps on its own
             schedule).
+        option_defaults: Backend options a new sandbox gets on its backend when its spec does
+            not set them (``{"local": {"isolation": "gvisor"}}``, from ``sandlot.toml``); they
+            are written into its spec, so its record says what it runs on.
     """

@@ -89,6 +89,7 @@ class ManagerCore(abc.ABC):
         journal: Journal | None = None,
         failed_keep: float = tuning.FAILED_KEEP,
         sweep_every: float | None = 30.0,
+        option_defaults: Mapping[str, Mapping[str, JsonValue]] | None = None,
     ) -> None:
         if default_backend not in backends:
             msg = f"default backend {default_backend!r} is not among {sorted(backends)}"
@@ -102,6 +103,7 @@ class ManagerCore(abc.ABC):
         self.journal = journal
         self.failed_keep = failed_keep
         self.sweep_every = sweep_every
+        self.option_defaults = {k: dict(v) for k, v in (option_defaults or {}).items()}
         self._swept_at: float | None = None
         # Who drives a transition: this process (an identity that survives PID reuse) and a
         # nonce telling Managers of one process apart.

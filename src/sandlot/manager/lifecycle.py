@@ -74,6 +74,9 @@ class Lifecycle(ManagerCore):
         the same key is a ``Conflict``), and a crash never allocates twice.
         """
         name = backend or self.default_backend
+        if defaults := self.option_defaults.get(name):
+            options = {**spec.backend_options, name: {**defaults, **spec.options_for(name)}}
+            spec = spec.model_copy(update={"backend_options": options})
         # Every entry point (SDK, HTTP, MCP) refuses options a known backend does not take, as
         # the CLI does; entries for backends this build does not know (a user's own, one of
         # another deployment) are theirs to read.

@@ -12,7 +12,6 @@ This module must not import concrete backends or the store (the SDK opens them).
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -25,6 +24,7 @@ from sandlot.server.outputlog import DatabaseExecOutputLog
 
 if TYPE_CHECKING:
     from sandlot.sdk import AsyncSandlot
+    from sandlot.settings import Settings
 
 __all__ = ["serve"]
 
@@ -32,22 +32,15 @@ __all__ = ["serve"]
 async def serve(
     config: ServerConfig,
     *,
-    host: str,
-    port: int,
-    home: str | Path | None,
-    backend: str | None,
-    database: str,
+    settings: Settings,
     say: Callable[[str], None],
 ) -> None:
     """Serve the HTTP API (and MCP at ``/mcp``) until interrupted.
 
     Args:
         config: What the server allows and keeps.
-        host: Address to listen on.
-        port: Port to listen on.
-        home: State directory (None: ``$SANDLOT_HOME`` or the default).
-        backend: Default backend for new sandboxes (None: ``$SANDLOT_BACKEND`` or ``local``).
-        database: The database URL.
+        settings: The effective settings (``sandlot.toml``, environment and flags): the
+            address and port (``[server]``), home, default backend, database, policy, pools.
         say: Where the start-up lines go (what was recovered, what is served where).
 
     Raises:
@@ -55,13 +48,15 @@ async def serve(
     """
     import uvicorn
 
-    from sandlot.config import home as resolve_home
     from sandlot.gate.offload import favour_the_event_loop
     from sandlot.sdk import AsyncSandlot
     from sandlot.server.redact import log_config
     from sandlot.store.connect import redact_url
+    from sandlot.wiring import warm_pools
 
-    sdk = AsyncSandlot(resolve_home(home), backend, database)
+    host, port = settings.values.server.host, settings.values.server.port
+    sdk = AsyncSandlot(settings=settings)
+    database = sdk.database_url
     default = sdk.manager.default_backend
     if default not in offered(sdk.manager.backends, default, config.enable_backends):
         await sdk.aclose()
@@ -96,7 +91,8 @@ async def serve(
     say(f"serving http://{shown}:{port} (MCP at /mcp); Ctrl-C stops")
     favour_the_event_loop()
     try:
-        await server.serve()
+        async with warm_pools(sdk.manager):  # the pools sandlot.toml asks for, kept full
+            await server.serve()
     finally:
         with anyio.CancelScope(shield=True):
             await output.aclose()
