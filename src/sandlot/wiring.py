@@ -56,6 +56,7 @@ __all__ = [
     "build_manager",
     "check_database",
     "database_url",
+    "default_backend_name",
     "fill_pools",
     "open_journal",
     "open_receipt_log",

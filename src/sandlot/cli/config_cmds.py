@@ -50,9 +50,8 @@ def show(
 
 
 def _rows() -> list[tuple[str, tuple[object, str]]]:
-    from sandlot.backends.registry import default_backend_name
     from sandlot.config import default_database_url
-    from sandlot.wiring import redact_url
+    from sandlot.wiring import default_backend_name, redact_url
 
     settings = _effective_settings()
     rows = settings.effective()

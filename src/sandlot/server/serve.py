@@ -51,8 +51,7 @@ async def serve(
     from sandlot.gate.offload import favour_the_event_loop
     from sandlot.sdk import AsyncSandlot
     from sandlot.server.redact import log_config
-    from sandlot.store.connect import redact_url
-    from sandlot.wiring import warm_pools
+    from sandlot.wiring import redact_url, warm_pools
 
     host, port = settings.values.server.host, settings.values.server.port
     sdk = AsyncSandlot(settings=settings)
