@@ -11,6 +11,8 @@ stdin, while the test looks at the host from outside: process owners, file owner
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
 import json
 import os
 import pwd
@@ -21,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -265,13 +268,28 @@ def _ensure_user(name: str, *extra: str) -> pwd.struct_passwd:
         return pwd.getpwnam(name)
 
 
-def _python_for(user: pwd.struct_passwd) -> list[str] | None:
-    """An interpreter the user can run that imports this checkout (our own may live under
-    /root), with the PYTHONPATH it needs."""
+def _python_for(user: pwd.struct_passwd) -> tuple[str, str, Path] | None:
+    """An interpreter the user can run that imports this checkout, the PYTHONPATH it needs
+    and the driver (this file) to give it: the checkout and its venv as they are when the
+    user can read them, else a copy the user can read (a checkout under /root, as on a fresh
+    machine, is not)."""
     import anyio
 
-    src = str(Path(__import__("sandlot").__file__).parent.parent)
-    site = str(Path(anyio.__file__).parent.parent)
+    src = Path(__import__("sandlot").__file__).parent.parent
+    site = Path(anyio.__file__).parent.parent
+    python = _runnable(user, f"{src}:{site}", HERE)
+    if python is not None:
+        return python, f"{src}:{site}", HERE
+    copy = _readable_copy(src)
+    pythonpath = f"{copy / 'src'}:{copy / 'site'}"
+    python = _runnable(user, pythonpath, copy / HERE.name)
+    return None if python is None else (python, pythonpath, copy / HERE.name)
+
+
+def _runnable(user: pwd.struct_passwd, pythonpath: str, driver: Path) -> str | None:
+    """The first interpreter of this Python version that the user can run, that imports
+    sandlot and its dependencies (pytest too: the driver is a test module) from
+    ``pythonpath``, and that can read the ``driver`` file."""
     want = f"{sys.version_info[0]}.{sys.version_info[1]}"
     for cand in (sys.executable, f"/usr/bin/python{want}", "/usr/bin/python3"):
         probe = subprocess.run(
@@ -281,10 +299,12 @@ def _python_for(user: pwd.struct_passwd) -> list[str] | None:
                 f"--regid={user.pw_gid}",
                 "--init-groups",
                 "env",
-                f"PYTHONPATH={src}:{site}",
+                f"PYTHONPATH={pythonpath}",
                 cand,
                 "-c",
-                "import sys, anyio, pydantic, sandlot; print('%d.%d' % sys.version_info[:2])",
+                "import sys, anyio, pydantic, pytest, sandlot; open(sys.argv[1]).close(); "
+                "print('%d.%d' % sys.version_info[:2])",
+                str(driver),
             ],
             capture_output=True,
             text=True,
@@ -292,8 +312,89 @@ def _python_for(user: pwd.struct_passwd) -> list[str] | None:
             cwd="/",
         )
         if probe.returncode == 0 and probe.stdout.strip() == want:
-            return [cand, f"{src}:{site}"]
+            return cand
     return None
+
+
+READABLE_CACHE = Path("/var/cache/sandlot-tests/python")
+"""Where copies of the checkout and its runtime dependencies go that any user can read."""
+
+
+def _runtime_distributions() -> list[importlib.metadata.Distribution]:
+    """sandlot's runtime dependencies and pytest (the driver imports it), and theirs (no
+    extras, markers for this Python)."""
+    from packaging.requirements import Requirement
+
+    seen: dict[str, importlib.metadata.Distribution] = {}
+    todo = [*(importlib.metadata.requires("sandlot") or []), "pytest"]
+    while todo:
+        req = Requirement(todo.pop())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        key = req.name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        try:
+            dist = importlib.metadata.distribution(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an optional dependency's own option, not installed
+        seen[key] = dist
+        todo.extend(dist.requires or [])
+    return sorted(seen.values(), key=lambda d: d.metadata["Name"].lower())
+
+
+def _readable_copy(src: Path) -> Path:
+    """A copy of ``src/sandlot``, of the driver (this file) and of the installed runtime
+    dependencies under :data:`READABLE_CACHE`, world-readable, keyed by what went into it
+    (this Python's version, each distribution's name and version, the files' contents): made
+    once per change, so repeated runs copy nothing, and a changed checkout never runs
+    stale."""
+    dists = _runtime_distributions()
+    package = sorted(
+        p for p in (src / "sandlot").rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
+    digest = hashlib.sha256(f"{sys.version_info[:2]}".encode() + HERE.read_bytes())
+    for d in dists:
+        digest.update(f"{d.metadata['Name']}=={d.version}\n".encode())
+    for p in package:
+        digest.update(str(p.relative_to(src)).encode() + b"\0" + p.read_bytes())
+    target = READABLE_CACHE / digest.hexdigest()[:16]
+    if (target / ".complete").exists():
+        return target
+    staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.", dir=_readable_dir(READABLE_CACHE)))
+    try:
+        _copy_readable(HERE, staging / HERE.name)
+        for p in package:
+            _copy_readable(p, staging / "src" / p.relative_to(src))
+        for d in dists:
+            for f in d.files or []:
+                located = Path(str(d.locate_file(f)))
+                if ".." in f.parts or "__pycache__" in f.parts or not located.is_file():
+                    continue  # scripts outside site-packages; bytecode is made again
+                _copy_readable(located, staging / "site" / f)
+        (staging / ".complete").touch(mode=0o644)
+        staging.chmod(0o755)
+        try:
+            staging.rename(target)
+        except OSError:
+            shutil.rmtree(staging)  # another run made the same copy meanwhile
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _readable_dir(path: Path) -> Path:
+    for p in [*reversed(path.parents), path]:
+        if not p.exists():
+            p.mkdir(mode=0o755)
+    return path
+
+
+def _copy_readable(source: Path, dest: Path) -> None:
+    _readable_dir(dest.parent)
+    shutil.copyfile(source, dest)
+    dest.chmod(0o755 if os.access(source, os.X_OK) else 0o644)
 
 
 class User:
@@ -307,7 +408,7 @@ class User:
             pytest.skip(
                 f"needs a Python {sys.version_info[0]}.{sys.version_info[1]} {name} can run"
             )
-        self.python, self.pythonpath = python
+        self.python, self.pythonpath, self.driver = python
         self.base = Path(self.pw.pw_dir) / f".sandlot-tests-{secrets.token_hex(3)}"
         self.cache = self.mkdir(self.base / "cache")
 
@@ -394,7 +495,7 @@ class Driver:
                 "--init-groups",
                 *(inner or []),
                 user.python,
-                str(HERE),
+                str(user.driver),
                 "--driver",
             ],
             stdin=subprocess.PIPE,
