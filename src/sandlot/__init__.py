@@ -15,6 +15,7 @@ from sandlot._version import __version__
 TYPE_CHECKING = False
 
 if TYPE_CHECKING:
+    from sandlot.api import SandboxAPI, SandlotAPI
     from sandlot.errors import (
         BackendError,
         BackendUnavailable,
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
         SandboxError,
         SandboxTimeout,
     )
+    from sandlot.facade import Sandbox
+    from sandlot.handle import AsyncSandbox
     from sandlot.models import (
         Actor,
         CommandSpec,
@@ -46,15 +49,16 @@ if TYPE_CHECKING:
         SandboxStatus,
         SnapshotInfo,
     )
-    from sandlot.sdk import AsyncSandbox, AsyncSandlot
-    from sandlot.sync import Sandbox, Sandlot
+    from sandlot.sdk import AsyncSandlot
+    from sandlot.sync import Sandlot
     from sandlot.terminal import AsyncTerminal, Terminal
 
 # Imported on first use (PEP 562), so that `import sandlot.x` for a small piece (the agent,
 # the network daemon) does not pay for pydantic, SQLAlchemy and the SDK.
 _LAZY = {
     "Actor": "sandlot.models",
-    "AsyncSandbox": "sandlot.sdk",
+    # The handles come from their own light modules: importing one loads no Manager.
+    "AsyncSandbox": "sandlot.handle",
     "AsyncSandlot": "sandlot.sdk",
     "AsyncTerminal": "sandlot.terminal",
     "BackendError": "sandlot.errors",
@@ -77,13 +81,15 @@ _LAZY = {
     "ProcessInfo": "sandlot.models",
     "QuotaExceeded": "sandlot.errors",
     "Resources": "sandlot.models",
-    "Sandbox": "sandlot.sync",
+    "Sandbox": "sandlot.facade",
+    "SandboxAPI": "sandlot.api",
     "SandboxError": "sandlot.errors",
     "SandboxInfo": "sandlot.models",
     "SandboxSpec": "sandlot.models",
     "SandboxStatus": "sandlot.models",
     "SandboxTimeout": "sandlot.errors",
     "Sandlot": "sandlot.sync",
+    "SandlotAPI": "sandlot.api",
     "SnapshotInfo": "sandlot.models",
     "Terminal": "sandlot.terminal",
 }
@@ -125,12 +131,14 @@ __all__ = [
     "QuotaExceeded",
     "Resources",
     "Sandbox",
+    "SandboxAPI",
     "SandboxError",
     "SandboxInfo",
     "SandboxSpec",
     "SandboxStatus",
     "SandboxTimeout",
     "Sandlot",
+    "SandlotAPI",
     "SnapshotInfo",
     "Terminal",
     "__version__",

@@ -1,8 +1,10 @@
 """Wire models: one pydantic schema for the SDK, the store, HTTP and MCP.
 
-This module owns what a sandbox *is* (its spec and its record) and what operations return. It
-validates user input with one clear message naming the field, and imports nothing from sandlot
-but :mod:`sandlot.errors`.
+This module owns what a sandbox *is* (its spec and its record) and what operations return,
+including the plain records the HTTP client reads back (a reconcile report, a held operation's
+approval, a policy verdict and its explanation): the client imports this module, never the
+Manager, the gate or the policy engines that produce them. It validates user input with one
+clear message naming the field, and imports nothing from sandlot but :mod:`sandlot.errors`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import ipaddress
 import posixpath
 import re
 import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Literal, TypeAlias, TypeVar
+from typing import Literal, TypeAlias, TypeVar, final
 
 from pydantic import (
     BaseModel,
@@ -24,29 +28,37 @@ from pydantic import (
     field_validator,
 )
 
-from sandlot.errors import InvalidRequest
+from sandlot.errors import InvalidRequest, PolicyDenied
 
 __all__ = [
     "LOCAL_ACTOR",
     "SYSTEM_PRINCIPAL",
     "Actor",
+    "Approval",
     "Command",
     "CommandSpec",
     "DeathCertificate",
+    "Decision",
     "ExecResult",
+    "Explanation",
     "FileInfo",
     "GitSource",
     "JsonValue",
     "NetworkAllowlist",
     "NetworkPolicy",
+    "Outcome",
     "OutputChunk",
+    "PolicyTrace",
     "PortMapping",
     "ProcessInfo",
+    "ReasonCode",
+    "ReconcileReport",
     "Resources",
     "SandboxInfo",
     "SandboxSpec",
     "SandboxStatus",
     "SnapshotInfo",
+    "UnitTrace",
     "new_id",
     "parse_model",
     "system_actor",
@@ -629,3 +641,225 @@ def parse_model(cls: type[M], data: object) -> M:
     except ValidationError as e:
         msg = f"invalid {cls.__name__}: {_describe(e)}"
         raise InvalidRequest(msg) from None
+
+
+# -- records of the control plane's housekeeping and policy ------------------------------------
+
+
+@dataclass
+class ReconcileReport:
+    """What ``reconcile`` changed."""
+
+    checked: int = 0
+    updated: dict[str, str] = field(default_factory=dict)
+    """Sandbox id -> what happened (``running -> stopped (oom)``, …)."""
+    reaped: list[str] = field(default_factory=list)
+    """Backend sandboxes with our mark but no record, destroyed."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """Backends or sandboxes that could not be checked (or stopped, or destroyed), and why."""
+    expired: list[str] = field(default_factory=list)
+    """Running sandboxes past their time to live or idle timeout, stopped."""
+    discarded: list[str] = field(default_factory=list)
+    """Failed creations whose time for inspection ran out, destroyed."""
+
+
+@dataclass(frozen=True)
+class Approval:
+    """A HOLD decision and its answer."""
+
+    id: str
+    tenant: str
+    principal: str
+    sandbox_id: str | None
+    action: str
+    summary: str
+    question: str
+    status: str
+    """``pending``, ``approved``, ``denied`` or ``expired``."""
+    hold_seq: int
+    created_at: float
+    expires_at: float
+    decided_by: str | None = None
+    decided_at: float | None = None
+
+    def to_dict(self) -> dict[str, JsonValue]:
+        """As JSON data."""
+        return dict(self.__dict__.items())
+
+
+class Outcome(enum.StrEnum):
+    """What the gate does with the operation."""
+
+    ALLOW = "ALLOW"
+    DENY = "DENY"
+    HOLD = "HOLD"
+    """Wait for a human (or another agent) to approve or deny; a timeout denies."""
+
+
+class ReasonCode(enum.StrEnum):
+    """Why: a closed set of stable strings that receipts, errors and clients rely on."""
+
+    OK = "OK"
+    """Allowed by a permit."""
+    POLICY_VIOLATION = "POLICY_VIOLATION"
+    """A forbid matched."""
+    NO_MATCHING_PERMIT = "NO_MATCHING_PERMIT"
+    """Nothing permits it (default deny)."""
+    HOLD_REQUIRED = "HOLD_REQUIRED"
+    """A permit marked ``@hold`` matched: approval needed."""
+    POLICY_ERROR = "POLICY_ERROR"
+    """The engine failed to evaluate (an erroring policy, an undefined remote result)."""
+    POLICY_ERROR_FAIL_OPEN = "POLICY_ERROR_FAIL_OPEN"
+    """The engine failed and the operator chose ``on_error = "allow"``."""
+    SCHEMA_VIOLATION = "SCHEMA_VIOLATION"
+    """The request does not fit the policy schema (a missing or mistyped attribute)."""
+    REMOTE_UNAVAILABLE = "REMOTE_UNAVAILABLE"
+    """A remote decision point could not be reached or timed out."""
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The verdict on one request."""
+
+    outcome: Outcome
+    """ALLOW, DENY or HOLD."""
+    reason_code: ReasonCode
+    """Why (stable)."""
+    engine: str
+    """The engine that decided (``cedar``, ``builtin``, ``opa``)."""
+    policy_hash: str
+    """``sha256:<hex>`` of the policy version that decided."""
+    matched: tuple[str, ...] = ()
+    """The policies that determined the outcome (their ``@id``, else the engine's id)."""
+    message: str = ""
+    """A sentence for humans."""
+    hold_reason: str | None = None
+    """For HOLD: what the approver is asked (from ``@hold("...")``)."""
+    errors: tuple[str, ...] = ()
+    """Evaluation errors, when the reason code is an error (or fail-open)."""
+    duration_ns: int = 0
+    """Time spent deciding."""
+
+    @property
+    def allowed(self) -> bool:
+        """True when the operation may run now."""
+        return self.outcome is Outcome.ALLOW
+
+    def to_dict(self) -> dict[str, JsonValue]:
+        """The decision as JSON data (for receipts, HTTP and MCP)."""
+        return {
+            "outcome": self.outcome.value,
+            "reason_code": self.reason_code.value,
+            "engine": self.engine,
+            "policy_hash": self.policy_hash,
+            "matched": list(self.matched),
+            "message": self.message,
+            "hold_reason": self.hold_reason,
+            "errors": list(self.errors),
+            "duration_ns": self.duration_ns,
+        }
+
+    def denial(self, receipt_id: str | None = None) -> PolicyDenied:
+        """The error a front end raises for this decision (DENY, or a HOLD that timed out)."""
+        return PolicyDenied(
+            self.message or "denied by policy",
+            reason_code=self.reason_code.value,
+            receipt_id=receipt_id,
+        )
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class PolicyTrace:
+    """One policy (or rule) and what it did for one unit of a request."""
+
+    policy_id: str
+    """Its ``@id`` (or the engine's id)."""
+    effect: str
+    """``permit`` or ``forbid`` (``hold`` for a builtin hold rule)."""
+    satisfied: bool
+    """True when its scope and conditions held."""
+    determining: bool = False
+    """True when it is among the policies that decided the unit."""
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    """Its annotations (``@id``, ``@hold``, ``@reason``...)."""
+    error: str | None = None
+    """The evaluation error it raised, if any."""
+
+    def to_dict(self) -> dict[str, JsonValue]:
+        """As JSON data."""
+        return {
+            "policy_id": self.policy_id,
+            "effect": self.effect,
+            "satisfied": self.satisfied,
+            "determining": self.determining,
+            "annotations": dict(self.annotations),
+            "error": self.error,
+        }
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class UnitTrace:
+    """One evaluated unit (a whole request, or one command of a command action)."""
+
+    label: str
+    """``request``, or ``command 2: rm``."""
+    context: Mapping[str, JsonValue]
+    """The context the engine saw for this unit."""
+    outcome: Outcome
+    """The unit's own verdict."""
+    policies: tuple[PolicyTrace, ...] = ()
+    """Every policy considered, with what it did."""
+    errors: tuple[str, ...] = ()
+    """Errors raised while evaluating the unit."""
+
+    def to_dict(self) -> dict[str, JsonValue]:
+        """As JSON data."""
+        return {
+            "label": self.label,
+            "context": dict(self.context),
+            "outcome": self.outcome.value,
+            "policies": [p.to_dict() for p in self.policies],
+            "errors": list(self.errors),
+        }
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """A dry run: the decision, and per unit which policies were considered and matched."""
+
+    decision: Decision
+    """What :meth:`PolicyEngine.decide` would return."""
+    units: tuple[UnitTrace, ...] = ()
+    """What each unit saw and which policies matched it."""
+    notes: tuple[str, ...] = ()
+    """Anything else worth saying (how HOLD was derived, what a remote returned)."""
+
+    def to_dict(self) -> dict[str, JsonValue]:
+        """As JSON data (``sandlot policy explain --json``)."""
+        return {
+            "decision": self.decision.to_dict(),
+            "units": [u.to_dict() for u in self.units],
+            "notes": list(self.notes),
+        }
+
+    def render(self) -> str:
+        """A human-readable report."""
+        d = self.decision
+        lines = [f"{d.outcome.value} ({d.reason_code.value}) by {d.engine} {d.policy_hash[:19]}"]
+        if d.message:
+            lines.append(f"  {d.message}")
+        for unit in self.units:
+            lines.append(f"- {unit.label}: {unit.outcome.value}")
+            for p in unit.policies:
+                mark = "*" if p.determining else ("+" if p.satisfied else " ")
+                state = "error" if p.error else ("matched" if p.satisfied else "not matched")
+                lines.append(f"    {mark} {p.effect:<6} {p.policy_id}: {state}")
+                if p.error:
+                    lines.append(f"        {p.error}")
+            lines.extend(f"    error: {e}" for e in unit.errors)
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)

@@ -16,7 +16,8 @@ block exported, and a server once one was started. Each kind of block:
 - ``sh``: each line is a command, run the same way, with no output to compare.
   ``sandlot serve`` lines start the server in the background.
 - ``json`` is parsed (an ``mcpServers`` entry's command line must also be accepted), ``toml``
-  rules and ``cedar`` policies are loaded by their engine, which validates them.
+  rules and ``cedar`` policies are loaded by their engine, which validates them; any other
+  ``toml`` is a ``sandlot.toml``, loaded as the settings it holds.
 - ``text`` (diagrams, synopses) is not run; a block must say what it is.
 
 ``127.0.0.1:8470`` and the key ``sandlot_…`` stand for a server on a free port and an API key
@@ -52,6 +53,7 @@ from pathlib import Path
 import pytest
 
 from sandlot.policy import load_engine
+from sandlot.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
@@ -560,6 +562,10 @@ def run_json(session: Session, block: Block) -> None:
 def run_toml(session: Session, block: Block) -> None:
     rules = tomllib.loads(block.text)
     if "rule" not in rules:
+        # Not policy rules: a sandlot.toml, checked against the settings it may hold.
+        path = session.root / f"sandlot-{block.line}.toml"
+        path.write_text(block.text)
+        load_settings(home=session.root, config=path, environ={})
         return
     path = session.root / f"rules-{block.line}.toml"
     path.write_text(block.text)
@@ -716,6 +722,7 @@ WRONG_EXAMPLES = [
     ("json", '{"a": 1,}\n', "Expecting property name"),
     ("cedar", 'permit (principal, action, resource) when { context.progam == "rm" };\n', "progam"),
     ("toml", '[[rule]]\nid = "x"\neffect = "maybe"\n', "effect"),
+    ("toml", '[server]\nport = "8470"\n', "[server] port: expected an integer"),
     ("rego", "package x\n", "no way to run"),
 ]
 

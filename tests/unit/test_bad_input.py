@@ -246,7 +246,7 @@ def test_a_home_that_is_a_file_is_one_line(tmp_path: Path) -> None:
         ),
         (
             "local.nosuch=1",
-            "--option local.nosuch: the local backend has no option 'nosuch' (its options: enforcement, isolation)",
+            "--option local.nosuch: the local backend has no option 'nosuch' (its options: enforcement, hidden_paths, isolation, protected_paths)",
         ),
         (
             "microvm.vcpus=2",

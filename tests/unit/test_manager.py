@@ -352,7 +352,7 @@ async def test_abandoned_transition_is_settled_by_next_request(
     aclient: AsyncSandlot, fake: FakeBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Another process's change is seen at once (not after the hot path's record cache ages).
-    monkeypatch.setattr("sandlot.manager.RECENT", 0.0)
+    monkeypatch.setattr("sandlot.manager.tuning.RECENT", 0.0)
     sb = await aclient.create()
     store = aclient.manager.store
     info = await store.get(sb.id)
@@ -395,7 +395,7 @@ async def test_abandoned_creation_is_failed_by_reconcile_and_kept(
 async def test_transition_in_flight_by_live_owner_is_waited_for(
     aclient: AsyncSandlot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sandlot.manager.RECENT", 0.0)
+    monkeypatch.setattr("sandlot.manager.tuning.RECENT", 0.0)
     aclient.manager.transition_timeout = 0.3
     sb = await aclient.create()
     store = aclient.manager.store
@@ -435,7 +435,7 @@ async def test_ttl_and_idle_expiry(aclient: AsyncSandlot) -> None:
 async def test_activity_defers_idle_expiry(
     aclient: AsyncSandlot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sandlot.manager.TOUCH_EVERY", 0.0)
+    monkeypatch.setattr("sandlot.manager.tuning.TOUCH_EVERY", 0.0)
     sb = await aclient.create(idle_timeout=30)
     await anyio.sleep(0.01)
     await sb.exec("true")

@@ -108,11 +108,11 @@ async def test_a_policy_can_forbid_stdin_terminals_and_one_process(
 async def test_terminal_use_counts_as_activity(
     aclient: AsyncSandlot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sandlot.manager
+    from sandlot.manager import tuning
 
     sb = await aclient.create()
     before = (await sb.refresh()).last_active_at
-    monkeypatch.setattr(sandlot.manager, "TOUCH_EVERY", 0.0)
+    monkeypatch.setattr(tuning, "TOUCH_EVERY", 0.0)
     term = await sb.open_pty()
     await anyio.sleep(0.01)
     await term.write(b"x")

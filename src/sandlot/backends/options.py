@@ -41,6 +41,13 @@ BACKEND_OPTIONS: Mapping[str, Mapping[str, BackendOption]] = {
             "decided by the policy gate (crun as root only)",
             ("standard", "strict"),
         ),
+        "protected_paths": BackendOption(
+            "paths made read-only inside the sandbox by the kernel (a list; see "
+            "sandlot.backends.local.protect)"
+        ),
+        "hidden_paths": BackendOption(
+            "paths made absent (empty) inside the sandbox by the kernel (a list)"
+        ),
     },
     "microvm": {},
 }

@@ -21,28 +21,28 @@ from sandlot.errors import InvalidRequest
 __all__ = ["BACKEND_NAMES", "Backends", "default_backend_name"]
 
 
-def _fake(home: Path) -> Backend:
+def _fake(home: Path, **options: object) -> Backend:
     from sandlot.backends.fake import FakeBackend
 
     # The CLI is one process per command, so the fake keeps its sandboxes in a file there.
     return FakeBackend(state_file=backend_dir(home, "fake") / "state.json")
 
 
-def _local(home: Path) -> Backend:
+def _local(home: Path, **options: object) -> Backend:
     from sandlot.backends.local import LocalBackend
     from sandlot.network.service import SandboxNetworks
 
     state = backend_dir(home, "local")
-    return LocalBackend(state, networks=SandboxNetworks(state / "network"))
+    return LocalBackend(state, networks=SandboxNetworks(state / "network"), **options)  # type: ignore[arg-type]
 
 
-def _microvm(home: Path) -> Backend:
+def _microvm(home: Path, **options: object) -> Backend:
     from sandlot.backends.microvm import MicrovmBackend
 
-    return MicrovmBackend(backend_dir(home, "microvm"))
+    return MicrovmBackend(backend_dir(home, "microvm"), **options)  # type: ignore[arg-type]
 
 
-_FACTORIES: dict[str, Callable[[Path], Backend]] = {
+_FACTORIES: dict[str, Callable[..., Backend]] = {
     "fake": _fake,
     "local": _local,
     "microvm": _microvm,
@@ -78,8 +78,17 @@ class Backends(Mapping[str, Backend]):
     directory), so ``reconcile`` visits exactly those.
     """
 
-    def __init__(self, home: Path, *, extra: Mapping[str, Backend] | None = None) -> None:
+    def __init__(
+        self,
+        home: Path,
+        *,
+        extra: Mapping[str, Backend] | None = None,
+        config: Mapping[str, Mapping[str, object]] | None = None,
+    ) -> None:
         self.home = home
+        self.config: Mapping[str, Mapping[str, object]] = dict(config or {})
+        """Constructor options per backend name (``{"local": {"pool": {"namespaces": 2}}}``),
+        from the settings' backend tables."""
         self._built: dict[str, Backend] = dict(extra or {})
 
     def __getitem__(self, name: str) -> Backend:
@@ -88,7 +97,7 @@ class Backends(Mapping[str, Backend]):
             factory = _FACTORIES.get(name)
             if factory is None or not _importable(name):
                 raise KeyError(name)
-            backend = factory(self.home)
+            backend = factory(self.home, **self.config.get(name, {}))
             self._built[name] = backend
         return backend
 

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar, cast
@@ -36,9 +36,10 @@ from sandlot.errors import InvalidRequest, PolicyDenied, SandboxError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from sandlot.api import SandlotAPI
     from sandlot.gate.gate import Approval
     from sandlot.models import Actor, SandboxInfo
-    from sandlot.sdk import AsyncSandlot
+    from sandlot.settings import Settings as EffectiveSettings
 
 __all__ = ["app", "main"]
 
@@ -81,9 +82,31 @@ class Settings:
     backend: str | None = None
     home: Path | None = None
     database: str | None = None
+    config: Path | None = None
+    flags: dict[str, tuple[object, str]] = field(default_factory=dict)
+    """The global options given on the command line (not from the environment), by setting,
+    with the flag's name: they rank over the environment and ``sandlot.toml``."""
 
 
 _settings = Settings()
+
+
+def _effective_settings(**flags: tuple[object, str]) -> EffectiveSettings:
+    """The settings of this invocation: the global flags (and a command's own ``flags``) over
+    the environment, ``sandlot.toml`` and the defaults."""
+    from sandlot.settings import load_settings
+
+    given = _settings.flags
+    config = _settings.config if "config" in given else None
+    overrides = {k: v for k, v in given.items() if k not in ("home", "config")}
+    return load_settings(
+        # Passed even when it came from $SANDLOT_HOME, so an unusable home is reported as the
+        # CLI always did (naming both --home and SANDLOT_HOME).
+        home=_settings.home,
+        home_source=None if "home" in given or _settings.home is None else "env SANDLOT_HOME",
+        config=config,
+        overrides={**overrides, **flags},
+    )
 
 
 def _version(value: bool) -> None:
@@ -94,6 +117,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _global(
+    ctx: typer.Context,
     backend: Annotated[
         str | None,
         typer.Option(
@@ -122,6 +146,15 @@ def _global(
             show_envvar=True,
         ),
     ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar="SANDLOT_CONFIG",
+            help="Configuration file (default: sandlot.toml in the home).",
+            show_envvar=True,
+        ),
+    ] = None,
     version: Annotated[
         bool,
         typer.Option(
@@ -133,13 +166,28 @@ def _global(
     _settings.backend = backend
     _settings.home = home
     _settings.database = database
+    _settings.config = config
+    given = {"backend": backend, "home": home, "database": database, "config": config}
+    _settings.flags = {
+        key: (value, f"flag --{key}")
+        for key, value in given.items()
+        if value is not None and _from_command_line(ctx, key)
+    }
+
+
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    # By name: typer vendors its own click, whose ParameterSource is not the real click's.
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 def _use_backend(backend: str | None) -> None:
-    """A command's own ``--backend`` wins over the global one: the embedded client then
-    checks the name as it does the global's (one message for a name it does not know)."""
+    """A command's own ``--backend`` wins over the global one (and over the environment and
+    ``sandlot.toml``): the embedded client then checks the name as it does the global's (one
+    message for a name it does not know)."""
     if backend is not None:
         _settings.backend = backend
+        _settings.flags["backend"] = (backend, "flag --backend")
 
 
 # -- plumbing ------------------------------------------------------------------------------
@@ -164,7 +212,7 @@ def _fail(error: SandboxError, as_json: bool) -> NoReturn:
 
 def _run(
     as_json: bool,
-    body: Callable[[AsyncSandlot], Awaitable[T]],
+    body: Callable[[SandlotAPI], Awaitable[T]],
     *,
     actor: Actor | None = None,
     interrupted: Callable[[], str] | None = None,
@@ -198,16 +246,14 @@ def _run(
         if os.environ.get("SANDLOT_URL"):
             from sandlot.client import AsyncClient
 
-            # The HTTP client offers AsyncSandlot's surface method for method (a test checks).
+            # Both clients implement SandlotAPI (a test checks), so each body runs on either.
             async with AsyncClient(os.environ["SANDLOT_URL"], on_hold=held) as remote:
-                return await body(cast("AsyncSandlot", remote))
+                return await body(remote)
         from sandlot.models import LOCAL_ACTOR
         from sandlot.sdk import AsyncSandlot
 
         async with AsyncSandlot(
-            _settings.home,
-            _settings.backend,
-            _settings.database,
+            settings=_effective_settings(),
             actor=actor or LOCAL_ACTOR,
             on_hold=held,
         ) as client:
@@ -320,8 +366,12 @@ def doctor(as_json: JsonOpt = False) -> None:
     """Check which backends work on this host, and how to fix those that don't."""
     from sandlot.cli.doctor import run_doctor
 
-    home = _settings.home
-    raise typer.Exit(run_doctor(home, _settings.database, as_json=as_json, console=out))
+    try:
+        settings = _effective_settings()
+    except SandboxError as e:
+        _fail(e, as_json)
+    home, database = settings.home, settings.values.database
+    raise typer.Exit(run_doctor(home, database, as_json=as_json, console=out))
 
 
 MODULES = (
@@ -335,6 +385,7 @@ MODULES = (
     "network",
     "server_cmds",
     "shell",
+    "config_cmds",
 )
 """The modules that register commands on :data:`app` when imported (``doctor`` is the
 command above), in the order ``--help`` lists their commands."""
@@ -365,11 +416,12 @@ COMMANDS = {
     "network": "network",
     **dict.fromkeys(("serve", "mcp", "api-keys"), "server_cmds"),
     "shell": "shell",
+    "config": "config_cmds",
 }
 """Which module registers each command and group (a test keeps this equal to what the
 modules register)."""
 
-_GLOBAL_WITH_VALUE = frozenset({"--backend", "-b", "--home", "--database"})
+_GLOBAL_WITH_VALUE = frozenset({"--backend", "-b", "--home", "--database", "--config"})
 _loaded: set[str] = set()
 
 

@@ -22,7 +22,6 @@ from sandlot.backends.base import DoctorCheck
 from sandlot.backends.registry import BACKEND_NAMES, default_backend_name
 from sandlot.config import home as resolve_home
 from sandlot.errors import SandboxError
-from sandlot.store.connect import check_database, redact_url
 
 __all__ = ["collect", "run_doctor"]
 
@@ -47,7 +46,7 @@ def _general(home_arg: Path | None, database: str | None) -> list[DoctorCheck]:
             )
         )
         return checks
-    from sandlot.sdk import database_url
+    from sandlot.wiring import check_database, database_url, redact_url
 
     fix = "check --database / SANDLOT_DATABASE_URL"
     try:
@@ -66,19 +65,14 @@ def _general(home_arg: Path | None, database: str | None) -> list[DoctorCheck]:
 
 def _reconcile_check(url: str) -> DoctorCheck:
     """Operations the journal could not settle after a crash (an operator must look)."""
-    from sandlot.journal import IntentState, Journal, process_owner
-    from sandlot.store.sql import SqlStore
+    from sandlot.journal import IntentState
+    from sandlot.wiring import open_journal
 
-    store = SqlStore(url)
     try:
-        store.ensure_schema()
-        stuck = Journal(store.engine, owner=process_owner()).list(
-            states=[IntentState.NEEDS_RECONCILE.value]
-        )
+        with open_journal(url) as journal:
+            stuck = journal.list(states=[IntentState.NEEDS_RECONCILE.value])
     except SandboxError as e:
         return DoctorCheck("journal", False, str(e), "check the database")
-    finally:
-        store.engine.dispose()
     if not stuck:
         return DoctorCheck("journal", True, "no operation needs reconciling")
     detail = "; ".join(

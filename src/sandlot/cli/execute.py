@@ -46,7 +46,7 @@ from sandlot.cli.spec import parse_pairs, spec_from_options
 from sandlot.errors import InvalidRequest, SandboxError
 
 if TYPE_CHECKING:
-    from sandlot.sdk import AsyncSandlot
+    from sandlot.api import SandlotAPI
 
 __all__ = ["exec", "logs", "run"]
 
@@ -123,7 +123,7 @@ def exec(
 ) -> None:
     """Run a command in a sandbox, streaming its output; exit with its exit code."""
 
-    async def body(client: AsyncSandlot) -> int:
+    async def body(client: SandlotAPI) -> int:
         handle = await client.get(sandbox_id)
         result = await handle.exec(
             _command(command or [], shell),
@@ -187,7 +187,7 @@ def run(
     # --timeout here bounds the command, not the sandbox's TTL.
     values.pop("timeout")
 
-    async def body(client: AsyncSandlot) -> int:
+    async def body(client: SandlotAPI) -> int:
         import anyio
 
         cmd = _command(command or [], shell)
@@ -243,7 +243,7 @@ def logs(
 ) -> None:
     """Print the main process's output log."""
 
-    async def body(client: AsyncSandlot) -> None:
+    async def body(client: SandlotAPI) -> None:
         handle = await client.get(sandbox_id)
         async for chunk in handle.logs(follow=follow):
             if as_json:

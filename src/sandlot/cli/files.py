@@ -25,7 +25,7 @@ from sandlot.cli.options import IdArg, JsonOpt, KeyOpt
 from sandlot.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from sandlot.sdk import AsyncSandlot
+    from sandlot.api import SandlotAPI
 
 __all__ = ["list_files", "read_file", "write_file"]
 
@@ -47,7 +47,7 @@ def write_file(
 ) -> None:
     """Write a file into a sandbox from a host file or standard input."""
 
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         try:
             bits = int(mode, 8) if mode is not None else None
         except ValueError:
@@ -86,7 +86,7 @@ def read_file(
 ) -> None:
     """Print a file from a sandbox (or save it with --out)."""
 
-    async def body(client: AsyncSandlot) -> int:
+    async def body(client: SandlotAPI) -> int:
         handle = await client.get(sandbox_id)
         if output is None:
             size = 0
@@ -171,7 +171,7 @@ def list_files(
 ) -> None:
     """List a directory in a sandbox."""
 
-    async def body(client: AsyncSandlot) -> list[object]:
+    async def body(client: SandlotAPI) -> list[object]:
         return list(await (await client.get(sandbox_id)).list_files(path))
 
     items = _run(as_json, body)

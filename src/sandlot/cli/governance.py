@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from sandlot.cli.app import _print_json, _run, _settings, app, err, out
+from sandlot.cli.app import _effective_settings, _print_json, _run, app, err, out
 from sandlot.cli.options import JsonOpt
 from sandlot.errors import InvalidRequest, SandboxError
 
 if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
     from sandlot.journal import Journal
     from sandlot.models import Actor
     from sandlot.receipts import ReceiptLog
-    from sandlot.sdk import AsyncSandlot
 
 __all__ = ["approvals_app", "intents_app", "keys_app", "policy_app", "receipts_app"]
 
@@ -62,26 +62,15 @@ def _fail(message: str, code: int, as_json: bool) -> typer.Exit:
 @contextmanager
 def _log(as_json: bool = False) -> Iterator[ReceiptLog]:
     """The receipt log of the configured home and database."""
-    from sandlot.config import home as resolve_home
-    from sandlot.config import receipt_log_id
-    from sandlot.receipts import KeyStore, ReceiptLog
-    from sandlot.sdk import database_url
-    from sandlot.store.sql import SqlStore
+    from sandlot.wiring import database_url, open_receipt_log
 
     try:
-        home = resolve_home(_settings.home)
-        store = SqlStore(database_url(_settings.database, home))
-        store.ensure_schema()
-        log = ReceiptLog(store.engine, KeyStore.default(home).active(), log_id=receipt_log_id(home))
+        settings = _effective_settings()
+        url = database_url(settings.values.database, settings.home)
+        with open_receipt_log(settings.home, url) as log:
+            yield log
     except SandboxError as e:
         raise _fail(e.message, 1, as_json) from None
-    try:
-        yield log
-    except SandboxError as e:
-        raise _fail(e.message, 1, as_json) from None
-    finally:
-        log.close()
-        store.engine.dispose()
 
 
 # -- receipts --------------------------------------------------------------------------------
@@ -258,10 +247,9 @@ def export_trust_root(
 @keys_app.command("rotate")
 def rotate(as_json: JsonOpt = False) -> None:
     """Make a new signing key; the log records the change signed by both keys."""
-    from sandlot.config import home as resolve_home
-    from sandlot.receipts import KeyStore
+    from sandlot.wiring import signing_keys
 
-    keys = KeyStore.default(resolve_home(_settings.home))
+    keys = signing_keys(_effective_settings().home)
     with _log(as_json) as log:
         new = keys.generate()
         receipt = log.rotate(new)
@@ -284,7 +272,7 @@ def approvals_list(
 ) -> None:
     """List operations waiting for approval."""
 
-    async def body(client: AsyncSandlot) -> list[object]:
+    async def body(client: SandlotAPI) -> list[object]:
         return list(await client.list_approvals(status=None if all_ else "pending"))
 
     items = _run(as_json, body)
@@ -310,7 +298,7 @@ def _operator() -> Actor:
 
 
 def _answer(approval_id: str, allow: bool, as_json: bool) -> None:
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         return await (client.approve(approval_id) if allow else client.deny(approval_id))
 
     result = _run(as_json, body, actor=_operator())
@@ -365,7 +353,7 @@ def explain(
         problem = "give the command after --"
         raise _fail(problem, 2, as_json)
 
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         handle = await client.get(sandbox_id)
         return await handle.explain(action, **args)
 
@@ -390,22 +378,14 @@ app.add_typer(intents_app, name="intents")
 
 @contextmanager
 def _journal(as_json: bool = False) -> Iterator[Journal]:
-    from sandlot.config import home as resolve_home
-    from sandlot.journal import Journal, process_owner
-    from sandlot.sdk import database_url
-    from sandlot.store.sql import SqlStore
+    from sandlot.wiring import database_url, open_journal
 
     try:
-        store = SqlStore(database_url(_settings.database, resolve_home(_settings.home)))
-        store.ensure_schema()
+        settings = _effective_settings()
+        with open_journal(database_url(settings.values.database, settings.home)) as journal:
+            yield journal
     except SandboxError as e:
         raise _fail(e.message, 1, as_json) from None
-    try:
-        yield Journal(store.engine, owner=process_owner())
-    except SandboxError as e:
-        raise _fail(e.message, 1, as_json) from None
-    finally:
-        store.engine.dispose()
 
 
 @intents_app.command("list")

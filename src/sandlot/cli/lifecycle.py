@@ -16,14 +16,14 @@ from sandlot.cli.app import _print_json, _run, _status, app, err, out
 from sandlot.cli.options import IdArg, JsonOpt, KeyOpt
 
 if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
     from sandlot.models import SandboxInfo
-    from sandlot.sdk import AsyncSandlot
 
 __all__ = ["destroy", "fork", "reconcile", "reset", "restore", "snapshot"]
 
 
 def _simple(
-    name: str, doc: str, action: Callable[[AsyncSandlot, str], Awaitable[SandboxInfo]]
+    name: str, doc: str, action: Callable[[SandlotAPI, str], Awaitable[SandboxInfo]]
 ) -> None:
     """Register a command that takes an id, changes the sandbox and shows it."""
 
@@ -38,11 +38,11 @@ def _simple(
     app.command(name)(command)
 
 
-async def _stop(client: AsyncSandlot, sandbox_id: str) -> SandboxInfo:
+async def _stop(client: SandlotAPI, sandbox_id: str) -> SandboxInfo:
     return await (await client.get(sandbox_id)).stop()
 
 
-async def _resume(client: AsyncSandlot, sandbox_id: str) -> SandboxInfo:
+async def _resume(client: SandlotAPI, sandbox_id: str) -> SandboxInfo:
     return await (await client.get(sandbox_id)).resume()
 
 
@@ -65,7 +65,7 @@ def destroy(
 ) -> None:
     """Destroy a sandbox (its record stays, with the cause)."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         handle = await client.get(sandbox_id)
         return await handle.destroy(idempotency_key=idempotency_key, forget_host=forget_host)
 
@@ -89,7 +89,7 @@ def reset(
 ) -> None:
     """Return a sandbox to a snapshot and verify it; exit 1 naming what diverged if not."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         return await (await client.get(sandbox_id)).reset(snapshot_id)
 
     info = _run(as_json, body)
@@ -111,7 +111,7 @@ def keep_alive(
 ) -> None:
     """Push a sandbox's time to live out."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         return await (await client.get(sandbox_id)).keep_alive(seconds)
 
     info = _run(as_json, body)
@@ -133,7 +133,7 @@ def expose_port(
 ) -> None:
     """Publish a sandbox port on the host; print its URL."""
 
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         return await (await client.get(sandbox_id)).expose_port(port)
 
     mapping = _run(as_json, body)
@@ -150,7 +150,7 @@ def expose_port(
 def list_ports(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """List a sandbox's published ports."""
 
-    async def body(client: AsyncSandlot) -> list[object]:
+    async def body(client: SandlotAPI) -> list[object]:
         return list(await (await client.get(sandbox_id)).list_ports())
 
     items = _run(as_json, body)
@@ -169,7 +169,7 @@ def list_ports(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
 def snapshot(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """Save a sandbox's state; print the snapshot id."""
 
-    async def body(client: AsyncSandlot) -> object:
+    async def body(client: SandlotAPI) -> object:
         return await (await client.get(sandbox_id)).snapshot()
 
     snap = _run(as_json, body)
@@ -190,7 +190,7 @@ def restore(
 ) -> None:
     """Put a sandbox back to a snapshot's state."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         return await (await client.get(sandbox_id)).restore(snapshot_id)
 
     info = _run(as_json, body)
@@ -212,7 +212,7 @@ def fork(
 ) -> None:
     """Make new sandboxes from a sandbox's current state or a snapshot; print their ids."""
 
-    async def body(client: AsyncSandlot) -> list[SandboxInfo]:
+    async def body(client: SandlotAPI) -> list[SandboxInfo]:
         return [h.info for h in await client.fork(source, count)]
 
     infos = _run(as_json, body)
@@ -235,7 +235,7 @@ def reconcile(
     destroy failed ones kept past their time, reap orphans; exit 1 if anything could not be
     done."""
 
-    async def body(client: AsyncSandlot) -> dict[str, object]:
+    async def body(client: SandlotAPI) -> dict[str, object]:
         report = await client.reconcile(ids or None)
         return {
             "checked": report.checked,

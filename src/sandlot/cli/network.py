@@ -12,8 +12,8 @@ from sandlot.cli.app import _print_json, _run, app, err, out
 from sandlot.cli.options import AllowCidrOpt, AllowDomainOpt, DenyCidrOpt, IdArg, JsonOpt
 
 if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
     from sandlot.models import JsonValue, NetworkAllowlist, SandboxInfo
-    from sandlot.sdk import AsyncSandlot
 
 __all__ = ["network_app"]
 
@@ -59,7 +59,7 @@ def set_policy(
     else:
         target = policy
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         from sandlot.models import NetworkAllowlist
 
         raw = target if isinstance(target, str) else NetworkAllowlist.model_validate(target)
@@ -81,7 +81,7 @@ def set_policy(
 def log(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """Every allowed and refused connection of the sandbox."""
 
-    async def body(client: AsyncSandlot) -> list[dict[str, JsonValue]]:
+    async def body(client: SandlotAPI) -> list[dict[str, JsonValue]]:
         return await (await client.get(sandbox_id)).network_log()
 
     events = _run(as_json, body)
@@ -100,7 +100,7 @@ def log(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
 def suggest(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """The least-privilege allowlist covering what the sandbox connected to (use record mode)."""
 
-    async def body(client: AsyncSandlot) -> NetworkAllowlist:
+    async def body(client: SandlotAPI) -> NetworkAllowlist:
         return await (await client.get(sandbox_id)).suggest_network()
 
     allowlist = _run(as_json, body)

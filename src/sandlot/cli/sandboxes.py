@@ -48,8 +48,8 @@ from sandlot.cli.options import (
 from sandlot.cli.spec import parse_pairs, spec_from_options
 
 if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
     from sandlot.models import OutputChunk, SandboxInfo
-    from sandlot.sdk import AsyncSandlot
 
 __all__ = ["create", "get", "list_"]
 
@@ -90,7 +90,7 @@ def create(
     values = dict(locals())
     _use_backend(backend)
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         full = spec_from_options(values)
 
         def show_setup(chunk: OutputChunk) -> None:
@@ -141,7 +141,7 @@ def list_(
 ) -> None:
     """List sandboxes, newest first."""
 
-    async def body(client: AsyncSandlot) -> list[SandboxInfo]:
+    async def body(client: SandlotAPI) -> list[SandboxInfo]:
         from sandlot.models import SandboxStatus
 
         return await client.list(
@@ -175,7 +175,7 @@ def list_(
 def get(sandbox_id: IdArg, as_json: JsonOpt = False) -> None:
     """Show one sandbox, with the cause and last output if it died."""
 
-    async def body(client: AsyncSandlot) -> SandboxInfo:
+    async def body(client: SandlotAPI) -> SandboxInfo:
         return (await client.get(sandbox_id)).info
 
     info = _run(as_json, body)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from sandlot.cli.app import _fail, _print_json, _settings, app, err, out
-from sandlot.errors import InvalidRequest, SandboxError
+from sandlot.cli.app import _effective_settings, _fail, _print_json, _settings, app, err, out
+from sandlot.errors import SandboxError
 
 if TYPE_CHECKING:
     from sandlot.server.keys import ApiKeyStore
@@ -36,16 +36,20 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 
 def _database(explicit: str | None) -> str:
-    from sandlot.config import home
-    from sandlot.sdk import database_url
+    from sandlot.wiring import database_url
 
-    return database_url(explicit or _settings.database, home(_settings.home))
+    settings = _effective_settings(database=(explicit, "flag --database"))
+    return database_url(settings.values.database, settings.home)
 
 
 @app.command()
 def serve(
-    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port.")] = 8470,
+    host: Annotated[
+        str | None, typer.Option("--host", help="Address to listen on.", show_default="127.0.0.1")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option("--port", min=0, max=65535, help="Port.", show_default="8470")
+    ] = None,
     database: Annotated[
         str | None, typer.Option("--database", help="Database URL (default: the home's SQLite).")
     ] = None,
@@ -61,45 +65,64 @@ def serve(
         ),
     ] = None,
     max_uploads: Annotated[
-        int,
-        typer.Option("--max-uploads", min=1, help="Concurrent file uploads per tenant."),
-    ] = 4,
-    max_uploads_total: Annotated[
-        int,
-        typer.Option("--max-uploads-total", min=1, help="Concurrent file uploads in all."),
-    ] = 16,
-    admission_timeout: Annotated[
-        float,
-        typer.Option("--admission-timeout", min=0, help="Seconds a request over quota waits."),
-    ] = 30.0,
-    max_upload_mb: Annotated[
-        int, typer.Option("--max-upload-mb", min=1, help="Largest upload (MiB).")
-    ] = 256,
-    max_download_mb: Annotated[
-        int, typer.Option("--max-download-mb", min=1, help="Largest download (MiB).")
-    ] = 1024,
-    output_retention: Annotated[
-        float,
+        int | None,
         typer.Option(
-            "--output-retention", min=0, help="Seconds command output stays for reconnects."
+            "--max-uploads", min=1, help="Concurrent file uploads per tenant.", show_default="4"
         ),
-    ] = 300.0,
+    ] = None,
+    max_uploads_total: Annotated[
+        int | None,
+        typer.Option(
+            "--max-uploads-total", min=1, help="Concurrent file uploads in all.", show_default="16"
+        ),
+    ] = None,
+    admission_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--admission-timeout",
+            min=0,
+            help="Seconds a request over quota waits.",
+            show_default="30",
+        ),
+    ] = None,
+    max_upload_mb: Annotated[
+        int | None,
+        typer.Option("--max-upload-mb", min=1, help="Largest upload (MiB).", show_default="256"),
+    ] = None,
+    max_download_mb: Annotated[
+        int | None,
+        typer.Option(
+            "--max-download-mb", min=1, help="Largest download (MiB).", show_default="1024"
+        ),
+    ] = None,
+    output_retention: Annotated[
+        float | None,
+        typer.Option(
+            "--output-retention",
+            min=0,
+            help="Seconds command output stays for reconnects.",
+            show_default="300",
+        ),
+    ] = None,
     output_max_mb: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--output-max-mb",
             min=0.001,
             help="Output kept per command for reconnects (MiB; live streams get all of it).",
+            show_default="4",
         ),
-    ] = 4.0,
+    ] = None,
     public_metrics: Annotated[
-        bool, typer.Option("--public-metrics", help="Serve /metrics without a key.")
-    ] = False,
+        bool | None, typer.Option("--public-metrics", help="Serve /metrics without a key.")
+    ] = None,
     public_docs: Annotated[
-        bool,
+        bool | None,
         typer.Option("--public-docs", help="Serve /openapi.json and /docs without a key."),
-    ] = False,
-    mcp: Annotated[bool, typer.Option("--mcp/--no-mcp", help="Serve MCP at /mcp.")] = True,
+    ] = None,
+    mcp: Annotated[
+        bool | None, typer.Option("--mcp/--no-mcp", help="Serve MCP at /mcp.", show_default="on")
+    ] = None,
     enable_backend: Annotated[
         list[str] | None,
         typer.Option(
@@ -108,93 +131,59 @@ def serve(
         ),
     ] = None,
 ) -> None:
-    """Serve the HTTP API (and MCP at /mcp) until interrupted."""
+    """Serve the HTTP API (and MCP at /mcp) until interrupted.
+
+    Every option may be set in the [server] table of sandlot.toml instead; a flag wins.
+    """
     import anyio
-    import uvicorn
 
-    from sandlot.config import home as resolve_home
-    from sandlot.gate.offload import favour_the_event_loop
-    from sandlot.sdk import AsyncSandlot
-    from sandlot.server import ApiKeyStore, Quota, ServerConfig, create_app
-    from sandlot.server.offer import offered
+    from sandlot.server import Quota, ServerConfig
+    from sandlot.server.serve import serve as run_server
 
+    flags: dict[str, tuple[object, str]] = {"database": (database, "flag --database")}
+    for key, value in {
+        "host": host,
+        "port": port,
+        "max_sandboxes": max_sandboxes,
+        "max_execs": max_execs,
+        "max_uploads": max_uploads,
+        "max_uploads_total": max_uploads_total,
+        "admission_timeout": admission_timeout,
+        "max_upload_mb": max_upload_mb,
+        "max_download_mb": max_download_mb,
+        "output_retention": output_retention,
+        "output_max_mb": output_max_mb,
+        "public_metrics": public_metrics,
+        "public_docs": public_docs,
+        "mcp": mcp,
+    }.items():
+        flags[f"server.{key}"] = (value, f"flag --{key.replace('_', '-')}")
+    flags["server.enable_backends"] = (enable_backend or None, "flag --enable-backend")
+    try:
+        settings = _effective_settings(**flags)
+    except SandboxError as e:
+        _fail(e, as_json=False)
+    s = settings.values.server
     config = ServerConfig(
-        max_upload_bytes=max_upload_mb << 20,
-        max_download_bytes=max_download_mb << 20,
-        output_retention=output_retention,
-        output_max_bytes=int(output_max_mb * (1 << 20)),
+        max_upload_bytes=s.max_upload_mb << 20,
+        max_download_bytes=s.max_download_mb << 20,
+        output_retention=s.output_retention,
+        output_max_bytes=int(s.output_max_mb * (1 << 20)),
         quota=Quota(
-            max_live_sandboxes=max_sandboxes,
-            max_concurrent_execs=max_execs,
-            max_concurrent_uploads=max_uploads,
+            max_live_sandboxes=s.max_sandboxes,
+            max_concurrent_execs=s.max_execs,
+            max_concurrent_uploads=s.max_uploads,
         ),
-        max_concurrent_uploads=max_uploads_total,
-        admission_timeout=admission_timeout,
-        metrics_public=public_metrics,
-        docs_public=public_docs,
-        mcp=mcp,
-        enable_backends=frozenset(enable_backend or ()),
+        max_concurrent_uploads=s.max_uploads_total,
+        admission_timeout=s.admission_timeout,
+        metrics_public=s.public_metrics,
+        docs_public=s.public_docs,
+        mcp=s.mcp,
+        enable_backends=frozenset(s.enable_backends),
     )
 
     async def main() -> None:
-        from sandlot.server.outputlog import DatabaseExecOutputLog
-        from sandlot.server.redact import log_config
-        from sandlot.store.connect import redact_url
-
-        url = _database(database)
-        sdk = AsyncSandlot(resolve_home(_settings.home), _settings.backend, url)
-        default = sdk.manager.default_backend
-        if default not in offered(sdk.manager.backends, default, config.enable_backends):
-            await sdk.aclose()
-            msg = (
-                f"the default backend {default!r} is a development backend, not offered to "
-                f"tenants unless enabled: pass --enable-backend {default}, or choose another "
-                f"with sandlot --backend NAME serve (or SANDLOT_BACKEND)"
-            )
-            raise InvalidRequest(msg)
-        engine = sdk.manager.store.engine  # type: ignore[attr-defined]
-        # Command output lives in the database, so a client reconnecting after a restart
-        # gets the rest (or "outcome unknown" for a command that died with the server).
-        output = DatabaseExecOutputLog(
-            engine, retention=config.output_retention, max_bytes=config.output_max_bytes
-        )
-        # After a crash: runs that died with the last server are marked unknown, intents
-        # whose worker died are settled, then records are synced with the backends.
-        abandoned = await output.mark_unknown_abandoned()
-        recovered = await sdk.manager.recover()
-        report = await sdk.manager.reconcile()
-        if abandoned or recovered or report.updated or report.reaped:
-            err.print(
-                f"recovered: {len(abandoned)} command(s) marked unknown, "
-                f"{len(recovered)} intent(s) settled, {len(report.updated)} record(s) "
-                f"updated, {len(report.reaped)} orphan(s) reaped"
-            )
-        keys = ApiKeyStore(url)
-        app_ = create_app(sdk.manager, keys, config, output_log=output)
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app_,
-                host=host,
-                port=port,
-                lifespan="on",
-                log_level="info",
-                log_config=log_config(),
-            )
-        )
-        shown = f"[{host}]" if ":" in host else host
-        err.print(
-            f"sandlot {sdk.manager.default_backend} backend, database {redact_url(url)}",
-            markup=False,
-        )
-        err.print(f"serving http://{shown}:{port} (MCP at /mcp); Ctrl-C stops")
-        favour_the_event_loop()
-        try:
-            await server.serve()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await output.aclose()
-                await keys.aclose()
-                await sdk.aclose()
+        await run_server(config, settings=settings, say=lambda line: err.print(line, markup=False))
 
     try:
         anyio.run(main)
@@ -224,12 +213,16 @@ def mcp_stdio(
 
     from sandlot.mcp.stdio import serve_stdio
 
+    url = os.environ.get("SANDLOT_URL") or None
+
     async def main() -> None:
         await serve_stdio(
             home=_settings.home,
             backend=_settings.backend,
             database=_settings.database,
-            url=os.environ.get("SANDLOT_URL") or None,
+            # Embedded: the same settings (sandlot.toml, --config) as every other command.
+            settings=None if url else _effective_settings(),
+            url=url,
             api_key=os.environ.get("SANDLOT_API_KEY") or None,
             upload_roots=list(share or []),
         )

@@ -30,7 +30,7 @@ from sandlot.cli.spec import parse_pairs
 from sandlot.errors import SandboxError
 
 if TYPE_CHECKING:
-    from sandlot.sdk import AsyncSandlot
+    from sandlot.api import SandlotAPI
     from sandlot.terminal import AsyncTerminal
 
 __all__ = ["shell"]
@@ -54,7 +54,7 @@ def shell(
     """Open an interactive terminal in a sandbox; exits with the program's exit code."""
     variables = parse_pairs(env, "--env")
 
-    async def body(client: AsyncSandlot) -> int:
+    async def body(client: SandlotAPI) -> int:
         rows, cols = _window_size()
         sb = await client.get(sandbox_id)
         term = await sb.open_pty(command or None, rows=rows, cols=cols, cwd=cwd, env=variables)

@@ -7,9 +7,11 @@
             print(sb.exec("uname -a").stdout)
 
 :class:`AsyncClient` / :class:`Client` mirror :class:`sandlot.AsyncSandlot` /
-:class:`sandlot.Sandlot`; :class:`AsyncRemoteSandbox` mirrors :class:`sandlot.AsyncSandbox`,
-and the sync client's handles are :class:`sandlot.Sandbox` itself; errors are the same
-classes. This module only re-exports.
+:class:`sandlot.Sandlot` (both implement :class:`sandlot.api.SandlotAPI`); their sandboxes are
+the SDK's own handles, :class:`sandlot.AsyncSandbox` (also named :data:`AsyncRemoteSandbox`
+here) and :class:`sandlot.Sandbox`; errors are the same classes. Importing this package loads
+no server, Manager, store, policy engine, SQLAlchemy or cryptography (a test and an
+import-linter contract check it). This module only re-exports.
 """
 
 from __future__ import annotations

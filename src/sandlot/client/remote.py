@@ -1,12 +1,15 @@
-"""The async HTTP client: :class:`AsyncClient` and its :class:`AsyncRemoteSandbox` handles.
+"""The async HTTP client: :class:`AsyncClient`, whose sandboxes are the SDK's own handle class.
 
     async with AsyncClient("http://127.0.0.1:8470", api_key) as client:
         async with await client.create(setup="pip install requests") as sb:
             result = await sb.exec(["python3", "-c", "print(1)"])
 
-The surface is the in-process SDK's (:class:`sandlot.sdk.AsyncSandlot`), method for method
-and signature for signature (a test checks), and errors come back as the same classes: the
-server sends each error's stable ``code`` and this module raises the class it names.
+The surface is :class:`sandlot.api.SandlotAPI`, the in-process SDK's (a test checks name for
+name and signature for signature), and its sandboxes are :class:`sandlot.handle.AsyncSandbox`,
+the one handle class, over an :class:`~sandlot.client.plane.HttpPlane`
+(:data:`AsyncRemoteSandbox` is another name for it). Errors come back as the same classes: the
+server sends each error's stable ``code`` and :mod:`sandlot.client.problems` raises the class
+it names.
 
 Terminals (``open_pty``) are a WebSocket (the ``websockets`` package), with the protocol in
 :mod:`sandlot.server.wire`; a background process's output is an event stream that resumes
@@ -18,8 +21,9 @@ so nothing is lost or repeated; when the server no longer knows the command (it 
 the client raises ``BackendUnavailable`` saying the outcome is unknown. It never sends a
 command twice. Files travel with a SHA-256 ``Content-Digest`` that the receiving side checks.
 
-This module speaks HTTP only: it must not import the Manager's dependencies below the SDK
-surface (backends, the store).
+This module speaks HTTP only: it must not import the Manager, the store, backends, the policy
+engines, the gate or the server package (``tests/unit/test_thin_client.py`` checks what
+``import sandlot.client`` loads, and an import-linter contract states it).
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import builtins
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import inspect
 import json as jsonlib
 import logging
@@ -36,8 +39,7 @@ import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any, Self, final
-from urllib.parse import quote, urlencode
+from typing import TYPE_CHECKING, Self, final
 
 import anyio
 import httpx
@@ -45,99 +47,50 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from sandlot.client.sse import Event, events
+from sandlot.client.plane import HttpPlane
+from sandlot.client.problems import (
+    StreamEnded,
+    Unreachable,
+    event_error,
+    key_header,
+    problem_error,
+    quote_segment,
+    response_error,
+)
+from sandlot.client.sse import events
 from sandlot.errors import (
     BackendError,
     BackendUnavailable,
-    ExecFailed,
     InvalidRequest,
     InvalidState,
     NotFound,
     SandboxError,
     SandboxTimeout,
-    error_from_code,
 )
-from sandlot.gate.gate import Approval
-from sandlot.manager import ReconcileReport
+from sandlot.handle import AsyncSandbox
 from sandlot.models import (
-    Command,
-    CommandSpec,
-    ExecResult,
-    FileInfo,
+    Approval,
     JsonValue,
-    NetworkAllowlist,
-    NetworkPolicy,
     OutputChunk,
-    PortMapping,
-    ProcessInfo,
+    ReconcileReport,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
     SnapshotInfo,
 )
-from sandlot.policy import Explanation
-from sandlot.policy.engine import Decision, Outcome, PolicyTrace, ReasonCode, UnitTrace
-from sandlot.server.wire import (
-    DIGEST_HEADER,
-    IDEMPOTENCY_HEADER,
-    LAST_EVENT_ID,
-    PtyResize,
-    b64decode,
-    b64encode,
-    content_digest,
-    parse_digest,
-)
-from sandlot.shared import Creating, build_spec, file_body, split_output
-from sandlot.terminal import AsyncTerminal
+from sandlot.shared import Creating, build_spec
+from sandlot.wire import LAST_EVENT_ID, PtyResize, b64decode
 
 if TYPE_CHECKING:
-    from sandlot.channel.base import OutputCallback, Stdin
+    from sandlot.channel.base import OutputCallback
 
 __all__ = ["AsyncClient", "AsyncRemoteSandbox"]
 
+AsyncRemoteSandbox = AsyncSandbox
+"""The HTTP client's sandbox handle: the in-process SDK's class (kept as a name for callers
+that import it)."""
+
 _log = logging.getLogger("sandlot.client")
-
-
-def _error(response: httpx.Response) -> SandboxError:
-    """The sandlot error a failed response carries."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("code"), str):
-        code = body["code"]
-        message = str(body.get("detail") or body.get("title") or code)
-        details = body.get("details")
-        details = details if isinstance(details, dict) else {}
-        return _problem_error(code, message, details, body.get("result"))
-    text = response.text[:300].strip()
-    status = response.status_code
-    msg = f"the server answered {status} {response.reason_phrase}" + (f": {text}" if text else "")
-    if status == 404:
-        return NotFound(msg)
-    if status == 413:
-        return InvalidRequest(msg)
-    if status in (502, 503, 504):
-        return BackendUnavailable(msg)
-    return BackendError(msg)
-
-
-def _problem_error(
-    code: str, message: str, details: dict[str, object], result: object = None
-) -> SandboxError:
-    if code == ExecFailed.code and isinstance(result, dict):
-        return ExecFailed(message, ExecResult.model_validate(result), **details)
-    return error_from_code(code, message, details)
-
-
-async def _hashing(chunks: AsyncIterator[bytes], digest: hashlib._Hash) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        digest.update(chunk)
-        yield chunk
-
-
-def _key_header(key: str | None) -> dict[str, str]:
-    return {} if key is None else {IDEMPOTENCY_HEADER: key}
 
 
 def _unknown_outcome(what: str, exec_id: str | None, why: str) -> BackendUnavailable:
@@ -154,519 +107,6 @@ async def _deliver(callback: OutputCallback | None, chunk: OutputChunk) -> None:
     result = callback(chunk)
     if inspect.isawaitable(result):
         await result
-
-
-def _quote(value: str) -> str:
-    return quote(value, safe="")
-
-
-@final
-class AsyncRemoteSandbox:
-    """A handle on one sandbox on a server. ``async with`` destroys it on exit."""
-
-    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
-        self._client = client
-        self.info = info
-        """The record as last seen (``refresh()`` reads it again)."""
-
-    @property
-    def id(self) -> str:
-        """The sandbox id."""
-        return self.info.id
-
-    @property
-    def status(self) -> SandboxStatus:
-        """The status as last seen."""
-        return self.info.status
-
-    def __repr__(self) -> str:
-        return f"<AsyncRemoteSandbox {self.id} {self.info.status} on {self.info.backend}>"
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Shielded: a cancelled body is exactly when the sandbox must still go.
-        with anyio.CancelScope(shield=True):
-            await self.destroy()
-
-    @property
-    def _path(self) -> str:
-        return f"/v1/sandboxes/{_quote(self.id)}"
-
-    async def refresh(self) -> SandboxInfo:
-        """Read the record again."""
-        self.info = await self._client._info("GET", self._path)
-        return self.info
-
-    async def exec(
-        self,
-        command: Command | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        stdin: Stdin = None,
-        on_output: OutputCallback | None = None,
-        on_stdout: Callable[[str], object] | None = None,
-        on_stderr: Callable[[str], object] | None = None,
-        check: bool = False,
-        auto_resume: bool = True,
-        idempotency_key: str | None = None,
-        collect_output: bool = True,
-    ) -> ExecResult:
-        """Run a command to completion (a string runs under ``sh -c``; a list is an argv).
-
-        Args:
-            command: What to run.
-            cwd: Working directory (default: the spec's workdir).
-            env: Extra environment variables.
-            timeout: Seconds before the whole process tree is killed (exit code 124).
-            stdin: Input bytes, or an async iterable of chunks (streamed while it runs).
-            on_output: Called with each raw output chunk.
-            on_stdout: Called with standard output text as it arrives.
-            on_stderr: Called with standard error text as it arrives.
-            check: Raise ``ExecFailed`` on a non-zero exit.
-            auto_resume: Resume a stopped sandbox first (else ``InvalidState``).
-            idempotency_key: Run at most once under this key; a repeat returns the first
-                result (``Conflict`` if the key was used for another command).
-            collect_output: Also keep the output in the result (False: only the callbacks
-                see it, so output of any size passes in bounded memory).
-
-        Returns:
-            The exit code, the collected output and the duration.
-        """
-        body: dict[str, object] = {
-            "command": _command_json(command),
-            "cwd": cwd,
-            "env": dict(env or {}),
-            "timeout": timeout,
-            "check": check,
-            "auto_resume": auto_resume,
-            "collect_output": collect_output,
-        }
-        stream: AsyncIterable[bytes] | None = None
-        if isinstance(stdin, bytes | bytearray | memoryview):
-            body["stdin"] = b64encode(bytes(stdin))
-        elif stdin is not None:
-            body["stdin_stream"] = True
-            stream = stdin
-        callback = split_output(on_output, on_stdout, on_stderr)
-        data = await self._client._job(
-            f"{self._path}/execs", body, callback, stream, key=idempotency_key
-        )
-        return ExecResult.model_validate(data)
-
-    async def read_file(self, path: str) -> bytes:
-        """A file's bytes (checked against the server's SHA-256)."""
-        return b"".join([chunk async for chunk in self.stream_file(path)])
-
-    async def stream_file(self, path: str) -> AsyncIterator[bytes]:
-        """A file's bytes in chunks, for files too big to hold in memory.
-
-        The SHA-256 the server sent is checked at the end: a mismatch raises ``BackendError``
-        after the last chunk.
-        """
-        async with self._client._stream(
-            "GET", f"{self._path}/files/content", params={"path": path}
-        ) as response:
-            expected = parse_digest(response.headers.get(DIGEST_HEADER))
-            digest = hashlib.sha256()
-            try:
-                async for chunk in response.aiter_bytes():
-                    digest.update(chunk)
-                    yield chunk
-            except httpx.TransportError as e:
-                msg = f"the download of {path} broke off: {e}"
-                raise BackendUnavailable(msg) from e
-        if expected is None:
-            msg = f"the server sent {path} without its {DIGEST_HEADER}"
-            raise BackendError(msg)
-        if digest.digest() != expected:
-            msg = f"the download of {path} does not match its SHA-256 (corrupted in transit)"
-            raise BackendError(msg)
-
-    async def write_file(
-        self,
-        path: str,
-        data: bytes | str | IO[bytes] | AsyncIterable[bytes],
-        *,
-        mode: int | None = None,
-        idempotency_key: str | None = None,
-    ) -> FileInfo:
-        """Create or replace a file (parents are made). Text is written as UTF-8; a binary
-        file object or an async iterable of chunks is streamed, never held whole in memory."""
-        body = file_body(data)
-        params: dict[str, str | int] = {"path": path}
-        if mode is not None:
-            params["mode"] = mode
-        headers = {"Content-Type": "application/octet-stream", **_key_header(idempotency_key)}
-        digest = hashlib.sha256()
-        if isinstance(body, bytes):
-            digest.update(body)
-            # Known before sending: the server checks it and writes nothing on a mismatch.
-            headers[DIGEST_HEADER] = content_digest(digest.digest())
-            content: bytes | AsyncIterator[bytes] = body
-        else:
-            content = _hashing(body, digest)
-        response = await self._client._request(
-            "PUT", f"{self._path}/files/content", params=params, content=content, headers=headers
-        )
-        sent = digest.digest()
-        if parse_digest(response.headers.get(DIGEST_HEADER)) != sent:
-            msg = f"the server stored {path} with a different SHA-256 than was sent"
-            raise BackendError(msg)
-        return FileInfo.model_validate(response.json())
-
-    async def write_files(
-        self, files: Mapping[str, bytes | str], *, idempotency_key: str | None = None
-    ) -> builtins.list[FileInfo]:
-        """Create or replace several files."""
-        payload = [
-            {"path": p, "content": b64encode(d.encode() if isinstance(d, str) else bytes(d))}
-            for p, d in files.items()
-        ]
-        response = await self._client._request(
-            "POST",
-            f"{self._path}/files",
-            json={"files": payload},
-            headers=_key_header(idempotency_key),
-        )
-        return [FileInfo.model_validate(f) for f in response.json()]
-
-    async def list_files(self, path: str | None = None) -> builtins.list[FileInfo]:
-        """A directory's entries (default: the workdir)."""
-        response = await self._client._request(
-            "GET", f"{self._path}/files", params={"path": path or self.info.spec.workdir}
-        )
-        return [FileInfo.model_validate(f) for f in response.json()]
-
-    async def remove_file(self, path: str, *, recursive: bool = False) -> None:
-        """Remove a file, or a directory tree with ``recursive``."""
-        await self._client._request(
-            "DELETE",
-            f"{self._path}/files",
-            params={"path": path, "recursive": "true" if recursive else "false"},
-        )
-
-    async def logs(self, *, follow: bool = False, offset: int = 0) -> AsyncIterator[bytes]:
-        """The main process's output; ``follow`` keeps tailing it (across reconnects)."""
-        deadline: float | None = None
-        while True:
-            try:
-                async with self._client._stream(
-                    "GET",
-                    f"{self._path}/logs",
-                    params={"follow": "true" if follow else "false", "offset": offset},
-                    headers={"Accept": "text/event-stream"},
-                    read_timeout=None if follow else self._client.timeout,
-                ) as response:
-                    deadline = None
-                    async for ev in events(response):
-                        if ev.event == "data":
-                            data = b64decode(str(ev.json()["data"]))
-                            offset += len(data)
-                            yield data
-                        elif ev.event == "error":
-                            raise _event_error(ev)
-                        elif ev.event == "end":
-                            return
-            except (httpx.TransportError, _Unreachable) as e:
-                now = time.monotonic()
-                deadline = deadline or now + self._client.reconnect_timeout
-                if now > deadline:
-                    msg = f"lost the log stream of {self.id} and could not reconnect: {e}"
-                    raise BackendUnavailable(msg) from e
-                await anyio.sleep(0.2)
-
-    async def start_process(
-        self,
-        command: Command | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        name: str | None = None,
-    ) -> ProcessInfo:
-        """Start a program in the background and return at once (a string runs under
-        ``sh -c``; a list is an argv).
-
-        It outlives this call and this client, until it exits, is signalled or the sandbox
-        stops; read its output with :meth:`process_output`. A ``name`` held by a running
-        process is a ``Conflict``; the id or the name finds it later.
-        """
-        response = await self._client._request(
-            "POST",
-            f"{self._path}/processes",
-            json={
-                "command": _command_json(command),
-                "cwd": cwd,
-                "env": dict(env or {}),
-                "name": name,
-            },
-        )
-        return ProcessInfo.model_validate(response.json())
-
-    async def list_processes(self) -> builtins.list[ProcessInfo]:
-        """Background processes (the main process among them), running and recently exited."""
-        response = await self._client._request("GET", f"{self._path}/processes")
-        return [ProcessInfo.model_validate(p) for p in response.json()]
-
-    async def signal_process(self, process_id: str, signum: int = 15) -> None:
-        """Send a signal (default SIGTERM) to a background process's whole tree."""
-        await self._client._request(
-            "POST", f"{self._process_path(process_id)}/signal", json={"signal": signum}
-        )
-
-    async def wait_process(self, process_id: str, *, timeout: float | None = None) -> ProcessInfo:
-        """Wait until a background process exits; its final record (``SandboxTimeout`` when
-        ``timeout`` seconds pass first)."""
-        response = await self._client._request(
-            "POST",
-            f"{self._process_path(process_id)}/wait",
-            json={"timeout": timeout},
-            # The server answers when the process exits: give it the wait, plus the usual.
-            read_timeout=None if timeout is None else timeout + self._client.timeout,
-        )
-        return ProcessInfo.model_validate(response.json())
-
-    async def process_output(
-        self, process_id: str, *, offset: int = 0, follow: bool = False
-    ) -> AsyncIterator[OutputChunk]:
-        """A background process's output from chunk ``offset``; ``follow`` keeps yielding
-        until it exits (across reconnects, resuming after the last chunk received)."""
-        deadline: float | None = None
-        received = False
-        while True:
-            headers = {"Accept": "text/event-stream"}
-            if received:
-                headers[LAST_EVENT_ID] = str(offset - 1)
-            try:
-                async with self._client._stream(
-                    "GET",
-                    f"{self._process_path(process_id)}/output",
-                    params={"follow": "true" if follow else "false", "offset": offset},
-                    headers=headers,
-                    read_timeout=None if follow else self._client.timeout,
-                ) as response:
-                    deadline = None
-                    async for ev in events(response):
-                        if ev.event == "output":
-                            seq = int(ev.id or offset)
-                            if seq < offset:
-                                continue  # already delivered before a reconnect
-                            out = ev.json()
-                            stream = "stderr" if out.get("stream") == "stderr" else "stdout"
-                            offset, received = seq + 1, True
-                            yield OutputChunk(
-                                seq=seq, stream=stream, data=b64decode(str(out["data"]))
-                            )
-                        elif ev.event == "error":
-                            raise _event_error(ev)
-                        elif ev.event == "end":
-                            return
-                    msg = "the output stream ended without its end event"
-                    raise _StreamEnded(msg)
-            except (httpx.TransportError, _Unreachable, _StreamEnded) as e:
-                now = time.monotonic()
-                deadline = deadline or now + self._client.reconnect_timeout
-                if now > deadline:
-                    msg = f"lost the output stream of process {process_id} in {self.id} and could not reconnect: {e}"
-                    raise BackendUnavailable(msg) from e
-                await anyio.sleep(0.2)
-
-    async def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
-        """Feed a background process's standard input (strings as UTF-8); ``close`` closes it
-        afterwards (the program reads end of file)."""
-        await self._client._request(
-            "PUT",
-            f"{self._process_path(process_id)}/stdin",
-            params={"close": "true" if close else "false"},
-            content=data.encode() if isinstance(data, str) else bytes(data),
-            headers={"Content-Type": "application/octet-stream"},
-        )
-
-    async def open_pty(
-        self,
-        command: Command | Sequence[str] | None = None,
-        *,
-        rows: int = 24,
-        cols: int = 80,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-    ) -> AsyncTerminal:
-        """Start a program (default ``sh``) on a new interactive terminal (over a WebSocket).
-
-        Write keystrokes, read output, resize; the terminal ends when the program exits.
-        ``async with`` closes it (the program gets SIGHUP).
-        """
-        query: list[tuple[str, str]] = [("rows", str(rows)), ("cols", str(cols))]
-        argv: list[str] = []
-        if isinstance(command, str):
-            query.append(("command", command))
-        elif isinstance(command, CommandSpec):
-            argv = command.argv()
-            cwd = cwd or command.cwd
-            env = {**command.env, **dict(env or {})}
-        elif command is not None:
-            argv = [str(a) for a in command]
-            if not argv:
-                msg = "command: an empty argv"
-                raise InvalidRequest(msg)
-        query += [("argv", a) for a in argv]
-        if cwd is not None:
-            query.append(("cwd", cwd))
-        query += [("env", f"{k}={v}") for k, v in (env or {}).items()]
-        session = await self._client._pty(f"{self._path}/pty?{urlencode(query)}")
-        return AsyncTerminal(session, self.id)
-
-    def _process_path(self, process_id: str) -> str:
-        return f"{self._path}/processes/{_quote(process_id)}"
-
-    async def stop(self) -> SandboxInfo:
-        """Stop every process; the filesystem stays."""
-        self.info = await self._client._info("POST", f"{self._path}/stop")
-        return self.info
-
-    async def resume(self) -> SandboxInfo:
-        """Boot it again and relaunch its ``resume`` command."""
-        self.info = await self._client._info("POST", f"{self._path}/resume")
-        return self.info
-
-    async def destroy(
-        self, *, idempotency_key: str | None = None, forget_host: bool = False
-    ) -> SandboxInfo:
-        """Remove it for good (the record stays, hidden, with a death certificate);
-        ``forget_host`` closes the record of a sandbox whose host is gone for good."""
-        self.info = await self._client._info(
-            "POST",
-            f"{self._path}/destroy",
-            params={"forget_host": "true"} if forget_host else None,
-            headers=_key_header(idempotency_key),
-        )
-        return self.info
-
-    async def keep_alive(self, seconds: float) -> SandboxInfo:
-        """Push the time to live out to ``seconds`` from now."""
-        self.info = await self._client._info(
-            "POST", f"{self._path}/keep-alive", json={"seconds": seconds}
-        )
-        return self.info
-
-    async def snapshot(self) -> SnapshotInfo:
-        """Save its state."""
-        response = await self._client._request("POST", f"{self._path}/snapshots")
-        return SnapshotInfo.model_validate(response.json())
-
-    async def restore(self, snapshot_id: str) -> SandboxInfo:
-        """Put it back to a snapshot's state."""
-        self.info = await self._client._info(
-            "POST", f"{self._path}/restore", json={"snapshot_id": snapshot_id}
-        )
-        return self.info
-
-    async def fork(self, count: int = 1) -> builtins.list[AsyncRemoteSandbox]:
-        """Make ``count`` new sandboxes from its current state."""
-        return await self._client.fork(self.id, count)
-
-    async def expose_port(self, port: int) -> PortMapping:
-        """Publish a sandbox port on the host."""
-        response = await self._client._request("POST", f"{self._path}/ports", json={"port": port})
-        await self.refresh()
-        return PortMapping.model_validate(response.json())
-
-    async def list_ports(self) -> builtins.list[PortMapping]:
-        """Published ports."""
-        response = await self._client._request("GET", f"{self._path}/ports")
-        return [PortMapping.model_validate(p) for p in response.json()]
-
-    async def reset(self, snapshot_id: str | None = None) -> SandboxInfo:
-        """Return to a snapshot (default: the state it was created in), verified; a failed
-        verification raises ``VerificationFailed`` naming what diverged."""
-        self.info = await self._client._info(
-            "POST", f"{self._path}/reset", json={"snapshot_id": snapshot_id}
-        )
-        return self.info
-
-    async def update_network(self, policy: NetworkPolicy | str) -> SandboxInfo:
-        """Change the egress policy (``"deny-all"``, ``"allow-all"`` or an allowlist)."""
-        body = policy if isinstance(policy, str) else policy.model_dump(mode="json")
-        self.info = await self._client._info("PUT", f"{self._path}/network", json={"network": body})
-        return self.info
-
-    async def network_log(self) -> builtins.list[dict[str, JsonValue]]:
-        """Every egress decision the sandbox's proxy logged."""
-        response = await self._client._request("GET", f"{self._path}/network/log")
-        events: list[dict[str, JsonValue]] = response.json()
-        return events
-
-    async def suggest_network(self) -> NetworkAllowlist:
-        """The least-privilege allowlist covering what the sandbox connected to."""
-        response = await self._client._request("GET", f"{self._path}/network/suggest")
-        return NetworkAllowlist.model_validate(response.json())
-
-    async def explain(self, action: str, **args: object) -> Explanation:
-        """What the policy would decide about an operation here, and why (nothing runs).
-
-        ``sb.explain("exec", command="rm -rf /")``, ``sb.explain("fs.write", path="/etc/x")``.
-        """
-        response = await self._client._request(
-            "POST", f"{self._path}/explain", json={"action": action, "args": args}
-        )
-        return _explanation(response.json())
-
-
-def _explanation(body: dict[str, Any]) -> Explanation:
-    """An :class:`Explanation` from its ``to_dict`` form."""
-    d = body["decision"]
-    decision = Decision(
-        outcome=Outcome(d["outcome"]),
-        reason_code=ReasonCode(d["reason_code"]),
-        engine=d["engine"],
-        policy_hash=d["policy_hash"],
-        matched=tuple(d.get("matched", ())),
-        message=d.get("message", ""),
-        hold_reason=d.get("hold_reason"),
-        errors=tuple(d.get("errors", ())),
-        duration_ns=int(d.get("duration_ns", 0)),
-    )
-    units = tuple(
-        UnitTrace(
-            label=u["label"],
-            context=u.get("context", {}),
-            outcome=Outcome(u["outcome"]),
-            policies=tuple(PolicyTrace(**p) for p in u.get("policies", ())),
-            errors=tuple(u.get("errors", ())),
-        )
-        for u in body.get("units", ())
-    )
-    return Explanation(decision=decision, units=units, notes=tuple(body.get("notes", ())))
-
-
-def _command_json(command: Command | Sequence[str]) -> object:
-    if isinstance(command, str):
-        return command
-    if isinstance(command, CommandSpec):
-        return command.model_dump(mode="json")
-    return list(command)
-
-
-def _event_error(ev: Event) -> SandboxError:
-    try:
-        body = ev.json()
-    except ValueError:
-        return BackendError(f"the server sent an unreadable error event: {ev.data[:200]}")
-    details = body.get("details")
-    return _problem_error(
-        str(body.get("code", "")),
-        str(body.get("detail") or body.get("code")),
-        details if isinstance(details, dict) else {},
-        body.get("result"),
-    )
 
 
 @final
@@ -716,6 +156,7 @@ class AsyncClient:
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
             transport=transport,
         )
+        self._plane = HttpPlane(self)
 
     def __repr__(self) -> str:
         return f"<AsyncClient {self.url}>"
@@ -773,7 +214,7 @@ class AsyncClient:
             msg = f"{method} {path}: the connection to {self.url} broke ({e}); the request may or may not have taken effect"
             raise BackendUnavailable(msg, outcome="unknown") from e
         if response.status_code >= 400:
-            raise _error(response)
+            raise response_error(response)
         return response
 
     def _stream(
@@ -808,7 +249,7 @@ class AsyncClient:
             )
         except InvalidStatus as e:
             answer = e.response
-            raise _error(
+            raise response_error(
                 httpx.Response(
                     answer.status_code,
                     content=bytes(answer.body or b""),
@@ -861,7 +302,7 @@ class AsyncClient:
                     "POST",
                     path,
                     json=dict(body),
-                    headers={"Accept": "text/event-stream", **_key_header(key)},
+                    headers={"Accept": "text/event-stream", **key_header(key)},
                     read_timeout=self.timeout * 4,
                 ) as response:
                     return await self._follow(response, state, callback, stdin)
@@ -875,7 +316,9 @@ class AsyncClient:
                         anyio.move_on_after(10),
                         contextlib.suppress(SandboxError, httpx.HTTPError),
                     ):
-                        await self._request("POST", f"/v1/execs/{_quote(state.exec_id)}/cancel")
+                        await self._request(
+                            "POST", f"/v1/execs/{quote_segment(state.exec_id)}/cancel"
+                        )
                 raise
         except httpx.TransportError as e:
             if state.exec_id is None:
@@ -883,7 +326,7 @@ class AsyncClient:
                     what, None, f"the connection broke before the server confirmed it ({e})"
                 ) from e
             broken: Exception = e
-        except _StreamEnded as e:
+        except StreamEnded as e:
             if state.exec_id is None:
                 raise _unknown_outcome(what, None, "the stream ended before it started") from e
             broken = e
@@ -929,7 +372,7 @@ class AsyncClient:
             try:
                 async with self._stream(
                     "GET",
-                    f"/v1/execs/{_quote(exec_id)}/events",
+                    f"/v1/execs/{quote_segment(exec_id)}/events",
                     headers={"Accept": "text/event-stream", LAST_EVENT_ID: str(state.after)},
                     read_timeout=self.timeout * 4,
                 ) as response:
@@ -938,7 +381,7 @@ class AsyncClient:
                 raise _unknown_outcome(
                     what, exec_id, "the server no longer knows it (did it restart?)"
                 ) from e
-            except (httpx.TransportError, _StreamEnded, _Unreachable) as e:
+            except (httpx.TransportError, StreamEnded, Unreachable) as e:
                 broken = e
 
     async def _follow(
@@ -981,7 +424,7 @@ class AsyncClient:
                         outcome = ev.json()
                         break
                     elif ev.event == "error":
-                        failure = _event_error(ev)
+                        failure = event_error(ev)
                         break
             except httpx.TransportError as e:
                 broken = e
@@ -996,7 +439,7 @@ class AsyncClient:
             raise failure
         if outcome is None:
             msg = "the event stream ended without an outcome"
-            raise _StreamEnded(msg)
+            raise StreamEnded(msg)
         return outcome
 
     async def _send_stdin(self, exec_id: str, chunks: AsyncIterable[bytes]) -> None:
@@ -1004,7 +447,7 @@ class AsyncClient:
         # input, and the outcome stream says how it ended.
         try:
             await self._http.put(
-                f"/v1/execs/{_quote(exec_id)}/stdin",
+                f"/v1/execs/{quote_segment(exec_id)}/stdin",
                 content=_bytes_only(chunks),
                 headers={"Content-Type": "application/octet-stream"},
                 timeout=httpx.Timeout(None, connect=10.0),
@@ -1022,7 +465,7 @@ class AsyncClient:
         on_setup_output: OutputCallback | None = None,
         idempotency_key: str | None = None,
         **fields: object,
-    ) -> Creating[AsyncRemoteSandbox]:
+    ) -> Creating[AsyncSandbox]:
         """Create a sandbox from a spec and/or spec fields (``image=``, ``setup=``, …):
         ``sb = await client.create(…)``, or ``async with client.create(…) as sb:`` to destroy
         it on exit.
@@ -1044,23 +487,22 @@ class AsyncClient:
         body: Mapping[str, object],
         on_setup_output: OutputCallback | None,
         idempotency_key: str | None,
-    ) -> AsyncRemoteSandbox:
+    ) -> AsyncSandbox:
         if on_setup_output is None:
             # Interrupted, this request leaves nothing: a server whose client went away with
             # no key to replay by destroys what it made.
             response = await self._request(
-                "POST", "/v1/sandboxes", json=body, headers=_key_header(idempotency_key)
+                "POST", "/v1/sandboxes", json=body, headers=key_header(idempotency_key)
             )
-            return AsyncRemoteSandbox(self, SandboxInfo.model_validate(response.json()))
+            return AsyncSandbox(self._plane, SandboxInfo.model_validate(response.json()))
         # Interrupted, a streamed creation is cancelled on the server (see _job), which then
         # destroys what it had made.
         data = await self._job("/v1/sandboxes", body, on_setup_output, key=idempotency_key)
-        return AsyncRemoteSandbox(self, SandboxInfo.model_validate(data))
+        return AsyncSandbox(self._plane, SandboxInfo.model_validate(data))
 
-    async def get(self, sandbox_id: str) -> AsyncRemoteSandbox:
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
         """A handle on an existing sandbox (``NotFound`` names the id)."""
-        info = await self._info("GET", f"/v1/sandboxes/{_quote(sandbox_id)}")
-        return AsyncRemoteSandbox(self, info)
+        return AsyncSandbox(self._plane, await self._plane.get(sandbox_id))
 
     async def list(
         self,
@@ -1095,13 +537,9 @@ class AsyncClient:
         response = await self._request("GET", "/v1/sandboxes", params=params)
         return [SandboxInfo.model_validate(s) for s in response.json()]
 
-    async def fork(self, source: str, count: int = 1) -> builtins.list[AsyncRemoteSandbox]:
+    async def fork(self, source: str, count: int = 1) -> builtins.list[AsyncSandbox]:
         """New sandboxes from a snapshot id or a sandbox id."""
-        kind = "snapshots" if source.startswith("snap-") else "sandboxes"
-        response = await self._request(
-            "POST", f"/v1/{kind}/{_quote(source)}/fork", json={"count": count}
-        )
-        return [AsyncRemoteSandbox(self, SandboxInfo.model_validate(s)) for s in response.json()]
+        return [AsyncSandbox(self._plane, i) for i in await self._plane.fork(source, count)]
 
     async def list_snapshots(self, sandbox_id: str | None = None) -> builtins.list[SnapshotInfo]:
         """Snapshots, newest first."""
@@ -1111,7 +549,7 @@ class AsyncClient:
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove a snapshot."""
-        await self._request("DELETE", f"/v1/snapshots/{_quote(snapshot_id)}")
+        await self._request("DELETE", f"/v1/snapshots/{quote_segment(snapshot_id)}")
 
     async def list_approvals(self, status: str | None = "pending") -> builtins.list[Approval]:
         """Operations held for approval (``status=None`` for all), newest first."""
@@ -1120,12 +558,14 @@ class AsyncClient:
 
     async def approve(self, approval_id: str) -> Approval:
         """Let a held operation run."""
-        response = await self._request("POST", f"/v1/approvals/{_quote(approval_id)}/approve")
+        response = await self._request(
+            "POST", f"/v1/approvals/{quote_segment(approval_id)}/approve"
+        )
         return Approval(**response.json())
 
     async def deny(self, approval_id: str) -> Approval:
         """Refuse a held operation."""
-        response = await self._request("POST", f"/v1/approvals/{_quote(approval_id)}/deny")
+        response = await self._request("POST", f"/v1/approvals/{quote_segment(approval_id)}/deny")
         return Approval(**response.json())
 
     async def reconcile(self, ids: Sequence[str] | None = None) -> ReconcileReport:
@@ -1227,7 +667,7 @@ class _WebSocketPty:
         elif control.get("type") == "error" and isinstance(control.get("problem"), dict):
             problem = control["problem"]
             details = problem.get("details")
-            self._error = _problem_error(
+            self._error = problem_error(
                 str(problem.get("code", "")),
                 str(problem.get("detail") or problem.get("code")),
                 details if isinstance(details, dict) else {},
@@ -1246,14 +686,6 @@ class _WebSocketPty:
         return self._error or BackendUnavailable(
             f"terminal {self._id}: the connection closed ({e})"
         )
-
-
-class _Unreachable(BackendUnavailable):
-    """The server could not be connected to: the request was never sent."""
-
-
-class _StreamEnded(Exception):
-    """A job's event stream closed without a result or an error (the server went away)."""
 
 
 class _JobState:
@@ -1277,13 +709,13 @@ class _Stream:
             response = await self._client._http.send(self._request, stream=True)
         except httpx.ConnectError as e:
             msg = f"cannot reach the sandlot server at {self._client.url}: {e}"
-            raise _Unreachable(msg) from e
+            raise Unreachable(msg) from e
         if response.status_code >= 400:
             try:
                 await response.aread()
             finally:
                 await response.aclose()
-            raise _error(response)
+            raise response_error(response)
         self._response = response
         return response
 
@@ -1301,3 +733,12 @@ async def _bytes_only(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     async for chunk in chunks:
         if chunk:
             yield bytes(chunk)
+
+
+if TYPE_CHECKING:
+    from sandlot.api import SandlotAPI
+    from sandlot.handle import ControlPlane
+
+    # mypy checks these against their protocols here, member by member.
+    _IMPLEMENTS: type[SandlotAPI] = AsyncClient
+    _PLANE: type[ControlPlane] = HttpPlane

@@ -4,7 +4,7 @@
         with client.create() as sb:
             print(sb.exec("echo hi").stdout)
 
-Every method but the constructor comes from :class:`sandlot.sync.SyncClientBase`, and its
+Every method but the constructor comes from :class:`sandlot.facade.SyncClientBase`, and its
 sandboxes are :class:`sandlot.Sandbox` handles around the client's async ones: the sync surface
 is written once for the in-process SDK and the client, and runs each call's async twin on an
 event loop in a background thread. A test checks the surfaces match name for name and
@@ -19,9 +19,9 @@ from typing import final
 import httpx
 
 from sandlot.client.remote import AsyncClient
-from sandlot.gate.gate import Approval
+from sandlot.facade import SyncClientBase
+from sandlot.models import Approval
 from sandlot.shared import EventLoopThread
-from sandlot.sync import SyncClientBase
 
 __all__ = ["Client"]
 

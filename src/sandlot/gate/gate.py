@@ -34,7 +34,7 @@ from sqlalchemy import Connection, Engine, and_, insert, select, update
 from sandlot.errors import Conflict, InvalidRequest, NotFound, PolicyDenied, SandboxError
 from sandlot.gate.offload import Offload, SyncEngine
 from sandlot.gate.schema import approvals
-from sandlot.models import SYSTEM_PRINCIPAL, Actor, JsonValue, new_id
+from sandlot.models import SYSTEM_PRINCIPAL, Actor, Approval, JsonValue, new_id
 from sandlot.policy import (
     Decision,
     Explanation,
@@ -68,30 +68,6 @@ class Authorization:
     """What was decided."""
     decision: Decision
     """The engine's verdict."""
-
-
-@dataclass(frozen=True)
-class Approval:
-    """A HOLD decision and its answer."""
-
-    id: str
-    tenant: str
-    principal: str
-    sandbox_id: str | None
-    action: str
-    summary: str
-    question: str
-    status: str
-    """``pending``, ``approved``, ``denied`` or ``expired``."""
-    hold_seq: int
-    created_at: float
-    expires_at: float
-    decided_by: str | None = None
-    decided_at: float | None = None
-
-    def to_dict(self) -> dict[str, JsonValue]:
-        """As JSON data."""
-        return dict(self.__dict__.items())
 
 
 hold_listener: contextvars.ContextVar[Callable[[Approval], object] | None] = contextvars.ContextVar(

@@ -44,54 +44,53 @@ the policy gate or front ends.
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import json
 import secrets
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from enum import StrEnum
-from typing import TYPE_CHECKING, Final, Literal, NoReturn, final
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Literal, final
 
-import anyio
-import anyio.to_thread
 from sqlalchemy import (
-    BigInteger,
-    Engine,
-    Float,
-    String,
-    Text,
-    and_,
-    bindparam,
-    cast,
     delete,
     exists,
-    extract,
-    func,
-    insert,
-    literal,
     or_,
     select,
     update,
 )
-from sqlalchemy.dialects import postgresql as pg_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.exc import DataError, IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError
 
-from sandlot.errors import BackendUnavailable, Conflict, InvalidRequest, InvalidState, NotFound
+from sandlot.errors import Conflict, InvalidRequest, InvalidState, NotFound
+from sandlot.journal.reader import JournalReader
+from sandlot.journal.records import (
+    _ADVANCE,
+    _TAKEABLE,
+    FINAL_STATES,
+    LEASED_STATES,
+    Allocation,
+    Begun,
+    Intent,
+    IntentState,
+    JournalEvent,
+    Lease,
+    S,
+    StaleLease,
+    _dt,
+    _intent,
+    _text,
+    allocation_name,
+)
 from sandlot.journal.schema import (
     authorizations,
     intents,
     journal_events,
     provider_allocations,
 )
+from sandlot.journal.statements import (
+    _Params,
+)
 from sandlot.receipts.canonical import JsonValue, canonical_json, sha256_ref
 
 if TYPE_CHECKING:
-    from sqlalchemy import Connection, RowMapping
-    from sqlalchemy.sql.elements import ColumnElement
+    from sqlalchemy import Connection
 
 __all__ = [
     "FINAL_STATES",
@@ -108,365 +107,8 @@ __all__ = [
 ]
 
 
-class IntentState(StrEnum):
-    """Where an intent is. Values are the strings stored in the database."""
-
-    PREPARED = "PREPARED"
-    AUTHORIZED = "AUTHORIZED"
-    ALLOCATING = "ALLOCATING"
-    ALLOCATED = "ALLOCATED"
-    RUNNING = "RUNNING"
-    RESULT_RECORDED = "RESULT_RECORDED"
-    CLEANING = "CLEANING"
-    CLEANED = "CLEANED"
-    DENIED = "DENIED"
-    FAILED = "FAILED"
-    NEEDS_RECONCILE = "NEEDS_RECONCILE"
-
-
-S = IntentState
-
-#: States a worker is in the middle of: they hold a lease, and an expired one means the worker
-#: died (or stalled) and recovery must look at what it left.
-LEASED_STATES: Final = frozenset({S.AUTHORIZED, S.ALLOCATING, S.ALLOCATED, S.RUNNING, S.CLEANING})
-#: States nothing moves out of on its own. NEEDS_RECONCILE leaves only by :meth:`Journal.resolve`.
-FINAL_STATES: Final = frozenset({S.CLEANED, S.DENIED, S.FAILED, S.NEEDS_RECONCILE})
-# Where someone works on the intent while its lease (for PREPARED: its claim) holds.
-_CLAIMED_STATES: Final = LEASED_STATES | {S.PREPARED}
-# Where a worker may take a lease: mid-work states (after expiry) and a recorded result (whose
-# allocation may later be cleaned up).
-_TAKEABLE: Final = LEASED_STATES | {S.RESULT_RECORDED}
-# Reached through advance(); the other edges have their own method because they write more
-# than the intent row (an authorization, an allocation) or take no lease (deny, reconcile).
-_ADVANCE: Final[Mapping[IntentState, frozenset[IntentState]]] = {
-    S.AUTHORIZED: frozenset({S.RUNNING, S.RESULT_RECORDED, S.CLEANING, S.FAILED}),
-    S.ALLOCATING: frozenset({S.FAILED}),
-    S.ALLOCATED: frozenset({S.RUNNING, S.RESULT_RECORDED, S.CLEANING, S.FAILED}),
-    S.RUNNING: frozenset({S.RESULT_RECORDED, S.FAILED}),
-    S.RESULT_RECORDED: frozenset({S.CLEANING}),
-    S.CLEANING: frozenset({S.CLEANED, S.FAILED}),
-}
-
-
-class StaleLease(Conflict):
-    """This worker's lease was taken over (or the intent moved on): stop, with no side effects.
-
-    Its code is ``conflict``, so it crosses HTTP and MCP as :class:`~sandlot.errors.Conflict`.
-    """
-
-
-def _dt(ts: float | None) -> datetime | None:
-    return None if ts is None else datetime.fromtimestamp(ts, UTC)
-
-
-def _text(value: str) -> str:
-    """Free text as PostgreSQL can store it (a text column refuses NUL characters)."""
-    return value.replace("\x00", "\ufffd")
-
-
-def allocation_name(intent_id: str, *, prefix: str = "sl-") -> str:
-    """The deterministic backend-side name for the resource ``intent_id`` allocates.
-
-    A retry, a replay and crash recovery all derive the same name, so they find the resource
-    instead of creating a second one. 24 hex digits (96 bits) of the intent id keep it short
-    enough for container and VM names; ``UNIQUE (deterministic_name)`` catches a collision.
-    """
-    digest = intent_id.removeprefix("sha256:")
-    return f"{prefix}{digest[:24]}"
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """The backend resource an intent allocated (at most one per intent)."""
-
-    backend: str
-    deterministic_name: str
-    provider_ref: str | None
-    """None while ALLOCATING: the backend had not answered when this was recorded."""
-    fence: int
-    created_at: datetime
-    allocated_at: datetime | None
-    released_at: datetime | None
-
-
-@dataclass(frozen=True)
-class Intent:
-    """The durable state of one operation, as stored."""
-
-    intent_id: str
-    request_hash: str
-    tenant: str
-    principal: str
-    op: str
-    idempotency_key: str | None
-    request: dict[str, JsonValue]
-    state: IntentState
-    fence: int
-    lease_owner: str | None
-    lease_expires_at: datetime | None
-    sandbox_id: str | None
-    result: JsonValue
-    result_hash: str | None
-    receipt_seq: int | None
-    error: str | None
-    created_at: datetime
-    updated_at: datetime
-    allocation: Allocation | None
-
-    @property
-    def final(self) -> bool:
-        """Whether nothing will move this intent on its own."""
-        return self.state in FINAL_STATES
-
-
-@dataclass(frozen=True)
-class Lease:
-    """The right to move one intent on: valid while ``fence`` is still the intent's fence."""
-
-    intent_id: str
-    fence: int
-    owner: str
-    state: IntentState
-    expires_at: datetime | None
-    """When others may take over (database clock); None once the intent rests."""
-
-
-@dataclass(frozen=True)
-class Begun:
-    """What :meth:`Journal.begin` found: a new intent, or the existing one for the same key."""
-
-    intent: Intent
-    replay: bool
-    """True when the key was seen before with the same request: ``intent`` is its durable
-    state (any state, a finished result included), and nothing was inserted."""
-
-
-@dataclass(frozen=True)
-class JournalEvent:
-    """One transition in an intent's history."""
-
-    event_id: int
-    intent_id: str
-    from_state: IntentState | None
-    to_state: IntentState
-    fence: int
-    actor: str
-    receipt_seq: int | None
-    note: str | None
-    at: datetime
-
-
-_INTENT_COLUMNS = (
-    *intents.c,
-    provider_allocations.c.backend.label("a_backend"),
-    provider_allocations.c.deterministic_name.label("a_name"),
-    provider_allocations.c.provider_ref.label("a_ref"),
-    provider_allocations.c.fence.label("a_fence"),
-    provider_allocations.c.created_at.label("a_created"),
-    provider_allocations.c.allocated_at.label("a_allocated"),
-    provider_allocations.c.released_at.label("a_released"),
-)
-_INTENT_FROM = intents.outerjoin(
-    provider_allocations, provider_allocations.c.intent_id == intents.c.intent_id
-)
-
-
-def _intent(row: RowMapping) -> Intent:
-    allocation = None
-    if row.get("a_backend") is not None:  # absent from an INSERT … RETURNING row
-        allocation = Allocation(
-            backend=row["a_backend"],
-            deterministic_name=row["a_name"],
-            provider_ref=row["a_ref"],
-            fence=int(row["a_fence"]),
-            created_at=datetime.fromtimestamp(row["a_created"], UTC),
-            allocated_at=_dt(row["a_allocated"]),
-            released_at=_dt(row["a_released"]),
-        )
-    return Intent(
-        intent_id=row["intent_id"],
-        request_hash=row["request_hash"],
-        tenant=row["tenant"],
-        principal=row["principal"],
-        op=row["op"],
-        idempotency_key=row["idempotency_key"],
-        request=json.loads(row["request_json"]),
-        state=IntentState(row["state"]),
-        fence=int(row["fence"]),
-        lease_owner=row["lease_owner"],
-        lease_expires_at=_dt(row["lease_expires_at"]),
-        sandbox_id=row["sandbox_id"],
-        result=None if row["result_json"] is None else json.loads(row["result_json"]),
-        result_hash=row["result_hash"],
-        receipt_seq=row["receipt_seq"],
-        error=row["error"],
-        created_at=datetime.fromtimestamp(row["created_at"], UTC),
-        updated_at=datetime.fromtimestamp(row["updated_at"], UTC),
-        allocation=allocation,
-    )
-
-
-_Params = dict[str, object]
-
-
-class _Sql:
-    """The journal's statements, built once per dialect.
-
-    Building a SQLAlchemy statement (coercing every value, computing its cache key) costs more
-    than running it on SQLite, so the hot-path statements are built here once, with bound
-    parameters, and run with a parameter dict. ``now`` is the clock every statement uses:
-    PostgreSQL's ``now()`` there, a ``:now`` parameter on SQLite (see the module docstring).
-    """
-
-    def __init__(self, pg: bool) -> None:
-        p = bindparam
-        self.now: ColumnElement[float] = (
-            cast(extract("epoch", func.now()), Float) if pg else p("now", type_=Float)
-        )
-        now = self.now
-        upsert = pg_dialect.insert if pg else sqlite_dialect.insert
-        new_intent = {
-            "intent_id": p("v_id"),
-            "request_hash": p("v_request_hash"),
-            "tenant": p("v_tenant"),
-            "principal": p("v_principal"),
-            "op": p("v_op"),
-            "idempotency_key": p("v_key"),
-            "request_json": p("v_request_json"),
-            "state": S.PREPARED.value,
-            "fence": 0,
-            # The beginner's claim: it is at the gate with this intent, so a repeat of its key
-            # waits for it instead of deciding (and racing for the authorization) itself.
-            "lease_owner": p("v_owner"),
-            "lease_expires_at": now + p("v_lease", type_=Float),
-            "created_at": now,
-            "updated_at": now,
-        }
-        self.insert_intent = insert(intents).values(new_intent).returning(*intents.c)
-        self.insert_intent_if_new = (
-            upsert(intents).values(new_intent).on_conflict_do_nothing().returning(*intents.c)
-        )
-        self.select_intent = (
-            select(*_INTENT_COLUMNS)
-            .select_from(_INTENT_FROM)
-            .where(intents.c.intent_id == p("v_id"))
-        )
-        # PostgreSQL holds the row until commit; SQLite ignores FOR UPDATE (BEGIN IMMEDIATE
-        # already holds the database's write lock).
-        self.lock_intent = self.select_intent.with_for_update(of=intents)
-        self.select_key = select(intents.c.intent_id, intents.c.op).where(
-            intents.c.tenant == p("v_tenant"), intents.c.idempotency_key == p("v_key")
-        )
-        self.insert_event = insert(journal_events).values(
-            intent_id=p("v_id"),
-            from_state=p("v_from"),
-            to_state=p("v_to"),
-            fence=p("v_fence"),
-            actor=p("v_actor"),
-            receipt_seq=p("v_receipt_seq"),
-            note=p("v_note"),
-            at=now,
-        )
-        self.grant = (
-            upsert(authorizations)
-            .values(
-                auth_id=p("v_auth_id"),
-                intent_id=p("v_id"),
-                decision=p("v_decision"),
-                expires_at=now + p("v_ttl", type_=Float),
-                created_at=now,
-            )
-            .on_conflict_do_nothing()
-            .returning(authorizations.c.auth_id)
-        )
-        self.select_auth = select(authorizations).where(authorizations.c.intent_id == p("v_id"))
-        self.consume = (
-            update(authorizations)
-            .where(
-                authorizations.c.intent_id == p("v_id"),
-                authorizations.c.decision == p("v_decision"),
-                authorizations.c.consumed_at.is_(None),
-                authorizations.c.expires_at > now,
-            )
-            .values(consumed_at=now, consumed_by=p("v_owner"))
-        )
-        self.authorize_intent = (
-            update(intents)
-            .where(intents.c.intent_id == p("v_id"), intents.c.state == S.PREPARED.value)
-            .values(
-                state=S.AUTHORIZED.value,
-                fence=intents.c.fence + 1,
-                lease_owner=p("v_owner"),
-                lease_expires_at=now + p("v_lease", type_=Float),
-                updated_at=now,
-            )
-            .returning(intents.c.fence, intents.c.lease_expires_at)
-        )
-        fenced = (
-            intents.c.intent_id == p("v_id"),
-            intents.c.fence == p("v_fence"),
-            intents.c.state == p("v_expected"),
-        )
-        # Optional fields: a NULL parameter leaves the column as it is.
-        fields = {
-            "sandbox_id": func.coalesce(p("v_sandbox_id", type_=String), intents.c.sandbox_id),
-            "result_json": func.coalesce(p("v_result_json", type_=Text), intents.c.result_json),
-            "result_hash": func.coalesce(p("v_result_hash", type_=String), intents.c.result_hash),
-            "receipt_seq": func.coalesce(
-                p("v_receipt_seq", type_=BigInteger), intents.c.receipt_seq
-            ),
-            "error": func.coalesce(p("v_error", type_=Text), intents.c.error),
-        }
-        self.move_leased = (
-            update(intents)
-            .where(*fenced)
-            .values(
-                state=p("v_to"),
-                lease_expires_at=now + p("v_lease", type_=Float),
-                updated_at=now,
-                **fields,
-            )
-            .returning(intents.c.lease_expires_at)
-        )
-        self.move_resting = (
-            update(intents)
-            .where(*fenced)
-            .values(state=p("v_to"), lease_expires_at=None, updated_at=now, **fields)
-            .returning(intents.c.lease_expires_at)
-        )
-        self.insert_allocation = insert(provider_allocations).values(
-            intent_id=p("v_id"),
-            backend=p("v_backend"),
-            deterministic_name=p("v_name"),
-            fence=p("v_fence"),
-            created_at=now,
-        )
-        self.record_allocation = (
-            update(provider_allocations)
-            .where(
-                provider_allocations.c.intent_id == p("v_id"),
-                or_(
-                    provider_allocations.c.provider_ref.is_(None),
-                    provider_allocations.c.provider_ref == p("v_ref"),
-                ),
-            )
-            .values(provider_ref=p("v_ref"), allocated_at=now, fence=p("v_fence"))
-        )
-        self.release_intent = (
-            update(provider_allocations)
-            .where(
-                provider_allocations.c.intent_id == p("v_id"),
-                provider_allocations.c.released_at.is_(None),
-            )
-            .values(released_at=now)
-        )
-
-
-_SQL: dict[bool, _Sql] = {}
-
-
 @final
-class Journal:
+class Journal(JournalReader):
     """The intent journal on one database.
 
     Args:
@@ -478,79 +120,7 @@ class Journal:
             over mid-call (safely: the slow worker is fenced out, but its work is wasted).
     """
 
-    def __init__(self, engine: Engine, *, owner: str, lease_seconds: float = 60.0) -> None:
-        if lease_seconds <= 0:
-            msg = f"lease_seconds must be positive, got {lease_seconds}"
-            raise InvalidRequest(msg)
-        self.engine = engine
-        self.owner = owner
-        self.lease_seconds = lease_seconds
-        self._writer = engine.execution_options(sandlot_write=True)
-        self._pg = engine.dialect.name == "postgresql"
-        if self._pg not in _SQL:
-            _SQL[self._pg] = _Sql(self._pg)
-        self._q = _SQL[self._pg]
-
-    # -- plumbing -----------------------------------------------------------------------------
-
-    def _clock(self) -> _Params:
-        """The ``now`` parameter for one transaction (PostgreSQL reads its own clock)."""
-        return {} if self._pg else {"now": time.time()}
-
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[tuple[Connection, _Params]]:
-        with _database_errors(), self._writer.begin() as conn:
-            yield conn, self._clock()
-
-    @contextlib.contextmanager
-    def _read(self) -> Iterator[tuple[Connection, _Params]]:
-        with _database_errors(), self.engine.connect() as conn:
-            yield conn, self._clock()
-
-    def _event(
-        self,
-        conn: Connection,
-        clock: _Params,
-        intent_id: str,
-        from_state: IntentState | None,
-        to_state: IntentState,
-        fence: int,
-        *,
-        receipt_seq: int | None = None,
-        note: str | None = None,
-    ) -> None:
-        conn.execute(
-            self._q.insert_event,
-            {
-                **clock,
-                "v_id": intent_id,
-                "v_from": None if from_state is None else from_state.value,
-                "v_to": to_state.value,
-                "v_fence": fence,
-                "v_actor": self.owner,
-                "v_receipt_seq": receipt_seq,
-                "v_note": note,
-            },
-        )
-
-    def _load(self, conn: Connection, intent_id: str, *, lock: bool = False) -> Intent:
-        stmt = self._q.lock_intent if lock else self._q.select_intent
-        row = conn.execute(stmt, {"v_id": intent_id}).mappings().first()
-        if row is None:
-            msg = f"no intent {intent_id!r}"
-            raise NotFound(msg, intent_id=intent_id)
-        return _intent(row)
-
-    def _stale(self, conn: Connection, lease: Lease, action: str) -> NoReturn:
-        current = self._load(conn, lease.intent_id)
-        msg = (
-            f"cannot {action} intent {lease.intent_id}: the lease with fence {lease.fence} "
-            f"(state {lease.state}) is stale; the intent is {current.state} at fence "
-            f"{current.fence}, held by {current.lease_owner}"
-        )
-        raise StaleLease(
-            msg, intent_id=lease.intent_id, fence=lease.fence, current_fence=current.fence
-        )
+    # (construction, plumbing and reads: JournalReader)
 
     # -- beginning ------------------------------------------------------------------------------
 
@@ -1179,31 +749,6 @@ class Journal:
             return res.rowcount == 1
 
     # -- recovery -------------------------------------------------------------------------------
-
-    def stale(self, *, now: datetime | None = None) -> builtins.list[Intent]:
-        """Intents in a leased state whose lease expired: their worker died or stalled.
-
-        PREPARED intents are not stale: nothing was done for them yet, and a replay of their
-        key carries on (a HOLD may keep one PREPARED for a long time, legitimately).
-
-        Args:
-            now: The time to compare with (default: the database's clock).
-        """
-        clock: ColumnElement[float] = (
-            self._q.now if now is None else literal(now.timestamp(), Float)
-        )
-        stmt = (
-            select(*_INTENT_COLUMNS)
-            .select_from(_INTENT_FROM)
-            .where(
-                intents.c.state.in_(sorted(s.value for s in LEASED_STATES)),
-                intents.c.lease_expires_at <= clock,
-            )
-            .order_by(intents.c.lease_expires_at, intents.c.intent_id)
-        )
-        with self._read() as (conn, params):
-            return [_intent(r) for r in conn.execute(stmt, params).mappings()]
-
     def take_over(
         self, intent_id: str, *, dead_owner: str | None = None, leased_only: bool = False
     ) -> Lease:
@@ -1265,125 +810,6 @@ class Journal:
             )
             return Lease(intent_id, fence, self.owner, current.state, _dt(row.lease_expires_at))
 
-    # -- reading --------------------------------------------------------------------------------
-
-    def get(self, intent_id: str) -> Intent:
-        """The intent's durable state.
-
-        Raises:
-            NotFound: No such intent.
-        """
-        with self._read() as (conn, _):
-            return self._load(conn, intent_id)
-
-    def find(self, tenant: str, idempotency_key: str) -> Intent | None:
-        """The tenant's intent for ``idempotency_key``, if any."""
-        stmt = (
-            select(*_INTENT_COLUMNS)
-            .select_from(_INTENT_FROM)
-            .where(intents.c.tenant == tenant, intents.c.idempotency_key == idempotency_key)
-        )
-        with self._read() as (conn, _):
-            row = conn.execute(stmt).mappings().first()
-        return None if row is None else _intent(row)
-
-    def list(
-        self,
-        *,
-        tenant: str | None = None,
-        states: Sequence[IntentState | str] | None = None,
-        sandbox_id: str | None = None,
-        limit: int | None = None,
-    ) -> builtins.list[Intent]:
-        """Intents, oldest first, filtered (for ``sandlot doctor`` and ``get``)."""
-        conds: builtins.list[ColumnElement[bool]] = []
-        if tenant is not None:
-            conds.append(intents.c.tenant == tenant)
-        if states is not None:
-            conds.append(intents.c.state.in_(sorted(IntentState(s).value for s in states)))
-        if sandbox_id is not None:
-            conds.append(intents.c.sandbox_id == sandbox_id)
-        stmt = (
-            select(*_INTENT_COLUMNS)
-            .select_from(_INTENT_FROM)
-            .where(and_(True, *conds))
-            .order_by(intents.c.created_at, intents.c.intent_id)
-        )
-        if limit is not None:
-            stmt = stmt.limit(limit)
-        with self._read() as (conn, _):
-            return [_intent(r) for r in conn.execute(stmt).mappings()]
-
-    def events(self, intent_id: str) -> builtins.list[JournalEvent]:
-        """The intent's history, oldest first."""
-        stmt = (
-            select(journal_events)
-            .where(journal_events.c.intent_id == intent_id)
-            .order_by(journal_events.c.event_id)
-        )
-        with self._read() as (conn, _):
-            return [
-                JournalEvent(
-                    event_id=int(r.event_id),
-                    intent_id=r.intent_id,
-                    from_state=None if r.from_state is None else IntentState(r.from_state),
-                    to_state=IntentState(r.to_state),
-                    fence=int(r.fence),
-                    actor=r.actor,
-                    receipt_seq=r.receipt_seq,
-                    note=r.note,
-                    at=datetime.fromtimestamp(r.at, UTC),
-                )
-                for r in conn.execute(stmt)
-            ]
-
-    def _working(self, intent_id: str) -> bool:
-        busy = select(
-            select(intents.c.intent_id)
-            .where(
-                intents.c.intent_id == intent_id,
-                intents.c.state.in_(sorted(s.value for s in _CLAIMED_STATES)),
-                intents.c.lease_expires_at > self._q.now,
-            )
-            .exists()
-        )
-        with self._read() as (conn, clock):
-            return bool(conn.execute(busy, clock).scalar())
-
-    async def wait(
-        self,
-        intent_id: str,
-        *,
-        timeout: float,
-        wake: anyio.Event | None = None,
-        poll: float = 0.01,
-        max_poll: float = 0.25,
-    ) -> Intent:
-        """Wait until nobody is working on the intent: it rests, its worker's lease expired,
-        or (PREPARED) its claim was released or expired.
-
-        For a repeat that arrives while the first call is still running: it returns the
-        finished state when the first call ends within ``timeout``, else the state then.
-        Asynchronous, and holding no worker thread between polls: any number of repeats may
-        wait without starving the threads every other request needs. Polling (from ``poll``
-        up to ``max_poll`` seconds apart) sees an outcome whichever process records it;
-        ``wake`` (see :class:`~sandlot.journal.wakeups.Wakeups`) cuts a pause short when this
-        process records it.
-        """
-        deadline = anyio.current_time() + timeout
-        while True:
-            working = await anyio.to_thread.run_sync(self._working, intent_id)
-            left = deadline - anyio.current_time()
-            if not working or left <= 0:
-                return await anyio.to_thread.run_sync(self.get, intent_id)
-            with anyio.move_on_after(min(poll, left)):
-                if wake is None:
-                    await anyio.sleep_forever()
-                else:
-                    await wake.wait()
-                    wake = None  # set for good: later pauses are plain polls
-            poll = min(poll * 2, max_poll)
-
     def prune(self, *, before: datetime) -> int:
         """Forget ended intents last changed before ``before`` (keys become reusable).
 
@@ -1410,17 +836,3 @@ class Journal:
             for table in (journal_events, authorizations, provider_allocations):
                 conn.execute(delete(table).where(table.c.intent_id.in_(doomed)))
             return conn.execute(delete(intents).where(intents.c.intent_id.in_(doomed))).rowcount
-
-
-@contextlib.contextmanager
-def _database_errors() -> Iterator[None]:
-    """Database failures as sandlot's errors: an unreachable or failing database is
-    ``BackendUnavailable``, a value it refuses is ``InvalidRequest``."""
-    try:
-        yield
-    except OperationalError as e:
-        msg = f"journal database error: {e.orig}"
-        raise BackendUnavailable(msg) from e
-    except DataError as e:
-        msg = f"the journal database refused a value: {e.orig}"
-        raise InvalidRequest(msg) from e

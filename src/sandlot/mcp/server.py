@@ -3,8 +3,8 @@
     server = build_server(lambda ctx: api)      # api: an AsyncSandlot or an AsyncClient
     await server.run_stdio_async()
 
-The tools call the SDK surface (:class:`SandlotApi`), which both the in-process SDK and the
-HTTP client offer, so ``sandlot mcp`` can run on an embedded Manager or against a server, and
+The tools call the SDK surface (:class:`sandlot.api.SandlotAPI`), which both the in-process
+SDK and the HTTP client implement, so ``sandlot mcp`` can run on an embedded Manager or against a server, and
 the server's ``/mcp`` endpoint calls its own API with the caller's key (tenancy, quotas and
 policy apply exactly as for any client). Results are structured (pydantic models); a sandlot
 error, a policy denial above all, comes back as a tool error the model can read, with its
@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import base64
 import binascii
-import builtins
 import contextlib
 import functools
 import hashlib
 import json
 import logging
 import posixpath
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
 import anyio
 from mcp.server import MCPServer
@@ -39,18 +38,15 @@ from mcp_types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandlot._version import __version__
+from sandlot.api import SandboxAPI, SandlotAPI
 from sandlot.errors import InvalidRequest, InvalidState, PolicyDenied, SandboxError
 from sandlot.models import (
-    Command,
-    ExecResult,
     FileInfo,
     OutputChunk,
     PortMapping,
-    ProcessInfo,
     SandboxInfo,
     SandboxSpec,
     SandboxStatus,
-    SnapshotInfo,
 )
 
 __all__ = ["ApiProvider", "SandboxHandle", "SandlotApi", "build_server"]
@@ -61,128 +57,12 @@ MAX_LOG_WAIT = 60.0
 M = TypeVar("M", bound=BaseModel)
 
 
-class SandboxHandle(Protocol):
-    """What the tools use of a sandbox handle (``AsyncSandbox`` and ``AsyncRemoteSandbox``)."""
+SandlotApi = SandlotAPI
+"""What the tools call: the documented client protocol (an ``AsyncSandlot`` or an
+``AsyncClient``); the old name, kept for callers."""
 
-    info: SandboxInfo
-
-    @property
-    def id(self) -> str:
-        """The sandbox id."""
-        ...
-
-    async def refresh(self) -> SandboxInfo:
-        """Read the record again."""
-        ...
-
-    async def exec(
-        self,
-        command: Command | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        timeout: float | None = None,
-        stdin: bytes | None = None,
-        on_output: Callable[[OutputChunk], Awaitable[None] | None] | None = None,
-    ) -> ExecResult:
-        """Run a command."""
-        ...
-
-    def stream_file(self, path: str) -> AsyncIterator[bytes]:
-        """A file in chunks."""
-        ...
-
-    async def write_file(
-        self, path: str, data: bytes | str, *, mode: int | None = None
-    ) -> FileInfo:
-        """Write a file."""
-        ...
-
-    async def list_files(self, path: str | None = None) -> builtins.list[FileInfo]:
-        """A directory's entries."""
-        ...
-
-    def logs(self, *, follow: bool = False, offset: int = 0) -> AsyncIterator[bytes]:
-        """The main log."""
-        ...
-
-    async def start_process(
-        self,
-        command: Command | Sequence[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        name: str | None = None,
-    ) -> ProcessInfo:
-        """Start a background process."""
-        ...
-
-    async def list_processes(self) -> builtins.list[ProcessInfo]:
-        """Background processes."""
-        ...
-
-    def process_output(
-        self, process_id: str, *, offset: int = 0, follow: bool = False
-    ) -> AsyncIterator[OutputChunk]:
-        """A background process's output chunks."""
-        ...
-
-    async def write_stdin(self, process_id: str, data: bytes | str, *, close: bool = False) -> None:
-        """Feed a background process's stdin."""
-        ...
-
-    async def stop(self) -> SandboxInfo:
-        """Stop it."""
-        ...
-
-    async def destroy(self) -> SandboxInfo:
-        """Destroy it."""
-        ...
-
-    async def keep_alive(self, seconds: float) -> SandboxInfo:
-        """Extend its TTL."""
-        ...
-
-    async def snapshot(self) -> SnapshotInfo:
-        """Snapshot it."""
-        ...
-
-    async def expose_port(self, port: int) -> PortMapping:
-        """Publish a port."""
-        ...
-
-    async def list_ports(self) -> builtins.list[PortMapping]:
-        """Published ports."""
-        ...
-
-
-class SandlotApi(Protocol):
-    """What the tools use of the SDK (``AsyncSandlot`` and ``AsyncClient``)."""
-
-    def create(
-        self,
-        spec: SandboxSpec | None = None,
-        *,
-        backend: str | None = None,
-    ) -> Awaitable[SandboxHandle]:
-        """Create a sandbox."""
-        ...
-
-    async def get(self, sandbox_id: str) -> SandboxHandle:
-        """A handle on a sandbox."""
-        ...
-
-    async def list(
-        self,
-        *,
-        labels: Mapping[str, str] | None = None,
-        status: SandboxStatus | Sequence[SandboxStatus] | None = None,
-        include_destroyed: bool = False,
-        limit: int | None = None,
-    ) -> builtins.list[SandboxInfo]:
-        """Sandbox records."""
-        ...
-
+SandboxHandle = SandboxAPI
+"""A sandbox handle as the tools use it: the documented handle protocol; the old name."""
 
 ApiProvider = Callable[[Context], Awaitable[SandlotApi]]
 """Gives the SDK to use for one tool call (per caller, on a shared server)."""

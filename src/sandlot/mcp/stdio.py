@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mcp.server.mcpserver import Context
 
-from sandlot.mcp.server import SandlotApi, build_server
+from sandlot.api import SandlotAPI
+from sandlot.mcp.server import build_server
+
+if TYPE_CHECKING:
+    from sandlot.settings import Settings
 
 __all__ = ["serve_stdio"]
 
@@ -25,6 +30,7 @@ async def serve_stdio(
     url: str | None = None,
     api_key: str | None = None,
     upload_roots: Sequence[Path] = (),
+    settings: Settings | None = None,
 ) -> None:
     """Serve the tools on stdin/stdout until the client closes the stream.
 
@@ -35,8 +41,10 @@ async def serve_stdio(
         url: A sandlot server to use instead of an embedded Manager.
         api_key: The key for ``url``.
         upload_roots: Host directories ``upload_dir`` may read.
+        settings: The embedded Manager's settings, resolved already (the CLI's); then
+            ``home``, ``backend`` and ``database`` are unused.
     """
-    api: SandlotApi
+    api: SandlotAPI
     if url:
         from sandlot.client import AsyncClient
 
@@ -45,10 +53,10 @@ async def serve_stdio(
     else:
         from sandlot.sdk import AsyncSandlot
 
-        local = AsyncSandlot(home, backend, database)
+        local = AsyncSandlot(home, backend, database, settings=settings)
         api, closer, mode = local, local.aclose, "embedded"
 
-    async def provider(ctx: Context) -> SandlotApi:
+    async def provider(ctx: Context) -> SandlotAPI:
         return api
 
     server = build_server(provider, mode=mode, upload_roots=upload_roots)

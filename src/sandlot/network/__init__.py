@@ -2,7 +2,7 @@
 
 Backends use :class:`SandboxNetworks` (in :mod:`sandlot.network.service`); the pure policy
 matcher lives in :mod:`sandlot.network.policy`. Names are loaded lazily so that the egress
-daemon (``python -m sandlot.network.proxy``) does not import pydantic and the models: it must
+daemon (``python -m sandlot.network.netd``) does not import pydantic and the models: it must
 stay small, one per host. This package must not import backends, the store or front ends.
 """
 

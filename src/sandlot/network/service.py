@@ -3,7 +3,7 @@
 This module owns the per-sandbox network state (``<state_dir>/sandboxes/<id>.json``), the
 address allocation (under a host-wide lock, checked against the kernel so two sandlot homes on
 one host never collide), and the supervision of the egress daemon
-(:class:`~sandlot.network.proxy.NetDaemon`, one small detached process per state directory that
+(:class:`~sandlot.network.netd.NetDaemon`, one small detached process per state directory that
 outlives the CLI). A backend calls :class:`SandboxNetworks`; it never touches ``ip``, ``nft`` or
 the daemon itself. Must not import backends, the store or front ends.
 """
@@ -41,7 +41,7 @@ __all__ = ["SandboxNetwork", "SandboxNetworks", "proxy_env"]
 
 _GLOBAL_LOCK = Path("/run/lock/sandlot-network.lock")
 
-# The daemon is ``python -m sandlot.network.proxy`` minus the package ``__init__`` files: they
+# The daemon is ``python -m sandlot.network.netd`` minus the package ``__init__`` files: they
 # import the SDK, the models and SQLAlchemy (a second and ~20 MiB the daemon never uses). The
 # packages are registered as bare namespaces, so only the stdlib-only proxy, dns and policy
 # modules load.
@@ -52,7 +52,7 @@ for name, path in (("sandlot", {str(Path(__file__).parent.parent)!r}),
     pkg = types.ModuleType(name)
     pkg.__path__ = [path]
     sys.modules[name] = pkg
-from sandlot.network.proxy import main
+from sandlot.network.netd import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -7,8 +7,9 @@ request's user): with any other key, even the same tenant's, its ``mcp-session-i
 its stream or call tools in it. A revoked key's open MCP streams end like its other streams
 (:mod:`sandlot.server.sessions`). The tools then
 call this server's own HTTP API with the caller's key (an :class:`~sandlot.client.AsyncClient`
-per key, on the loopback address), so an MCP caller is one more client: tenant isolation,
-quotas, metrics and the policy gate apply to it exactly as to any other.
+per key), in process, through the app itself (:class:`~sandlot.server.inprocess.AppTransport`,
+no TCP), so an MCP caller is one more client: tenant isolation, quotas, metrics and the policy
+gate apply to it exactly as to any other.
 
 This module must not import backends or the store.
 """
@@ -21,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import final
 
+import httpx
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.mcpserver import Context
@@ -38,6 +40,8 @@ from sandlot.server.wire import PROBLEM_TYPE
 __all__ = ["McpEndpoint"]
 
 _MAX_CLIENTS = 256
+_BASE_URL = "http://sandlot.in-process"
+"""The tools' calls never leave the process; the URL only names the API's root."""
 
 
 def _bearer(headers: Mapping[str, str] | None) -> str | None:
@@ -54,13 +58,12 @@ class McpEndpoint:
 
     Args:
         keys: Where keys are checked.
-        self_url: The API's base URL for the tools' calls (default: the address the request
-            arrived on, with a wildcard bind address replaced by loopback).
+        api: How the tools reach the API: a transport to the server's own app.
     """
 
-    def __init__(self, keys: ApiKeyStore, self_url: str | None = None) -> None:
+    def __init__(self, keys: ApiKeyStore, api: httpx.AsyncBaseTransport) -> None:
         self.keys = keys
-        self.self_url = self_url.rstrip("/") if self_url else None
+        self.api = api
         self._clients: OrderedDict[str, AsyncClient] = OrderedDict()
         self.server = build_server(self._provider, mode="server")
         # Keys, not browsers, authenticate here: a DNS-rebinding page cannot send one, so the
@@ -107,23 +110,17 @@ class McpEndpoint:
         # to anyone else; the key's id (never its text) and tenant say who that is.
         owner = AccessToken(token=info.id, client_id=info.id, subject=info.tenant, scopes=[])
         scope["user"] = AuthenticatedUser(owner)
-        if self.self_url is None:
-            host, port = scope.get("server") or ("127.0.0.1", 80)
-            if host in ("0.0.0.0", "::", ""):
-                host = "127.0.0.1"
-            host = f"[{host}]" if ":" in host else host
-            self.self_url = f"{scope.get('scheme', 'http')}://{host}:{port}"
         await self._app(scope, receive, send)
 
     async def _provider(self, ctx: Context) -> SandlotApi:
         key = _bearer(ctx.headers)
-        if key is None or self.self_url is None:
+        if key is None:
             msg = "this MCP call carried no API key"
             raise InvalidRequest(msg)
         digest = hash_key(key)
         client = self._clients.get(digest)
         if client is None:
-            client = AsyncClient(self.self_url, key)
+            client = AsyncClient(_BASE_URL, key, transport=self.api)
             self._clients[digest] = client
             if len(self._clients) > _MAX_CLIENTS:
                 _, oldest = self._clients.popitem(last=False)

@@ -183,7 +183,7 @@ class ServerThread:
             from sandlot.server.outputlog import DatabaseExecOutputLog
 
             output = DatabaseExecOutputLog(
-                sdk.manager.store.engine,  # type: ignore[attr-defined]
+                sdk.database_engine,
                 retention=self.config.output_retention,
                 max_bytes=self.config.output_max_bytes,
             )

@@ -1,6 +1,6 @@
 """The HTTP client offers the in-process SDK's surface: same names, same signatures, same
-return types (with the async classes renamed; the sync handle is the SDK's own ``Sandbox``), and
-its sync facade mirrors its async side."""
+return types (with the client classes renamed; the handles, async and sync, are the SDK's own
+``AsyncSandbox`` and ``Sandbox``), and its sync facade mirrors its async side."""
 
 from __future__ import annotations
 
@@ -32,13 +32,12 @@ def _public(cls: type) -> dict[str, object]:
 
 
 def _client_text(annotation: str) -> str:
-    text = re.sub(r"\bAsyncSandbox\b", "AsyncRemoteSandbox", annotation)
-    text = re.sub(r"\bAsyncSandlot\b", "AsyncClient", text)
+    text = re.sub(r"\bAsyncSandlot\b", "AsyncClient", annotation)
     return re.sub(r"\bSandlot\b", "Client", text)
 
 
 def _sync_text(annotation: str) -> str:
-    text = annotation.replace("AsyncIterator", "Iterator").replace("AsyncRemoteSandbox", "Sandbox")
+    text = annotation.replace("AsyncIterator", "Iterator").replace("AsyncSandbox", "Sandbox")
     text = text.replace("AsyncIterable", "Iterable")
     text = re.sub(r"^Creating\[(.*)\]$", r"\1", text)  # awaited or entered: the sync twin's value
     text = re.sub(r"\bAsyncTerminal\b", "Terminal", text)
@@ -98,9 +97,15 @@ def test_sync_client_mirrors_async_client(async_cls: type, sync_cls: type) -> No
             ), name
 
 
+def test_the_client_hands_out_the_sdk_handle() -> None:
+    # One handle class: the old name is the same class, so code written for either works.
+    assert AsyncRemoteSandbox is AsyncSandbox
+    assert inspect.signature(AsyncClient.get).return_annotation == "AsyncSandbox"
+
+
 def test_the_surface_test_can_fail() -> None:
     class Narrower:
-        def get(self, sandbox_id: int) -> AsyncRemoteSandbox:  # wrong parameter type
+        def get(self, sandbox_id: int) -> AsyncSandbox:  # wrong parameter type
             """Doc."""
             raise NotImplementedError
 

@@ -206,3 +206,89 @@ def test_concurrent_uploads_are_capped_per_tenant_and_in_all(tmp_path: Path) -> 
         # Finished uploads give their slots back.
         for tenant in keys:
             assert upload(tenant).status_code == 200
+
+
+def test_a_process_input_is_capped_like_an_upload(tmp_path: Path) -> None:
+    """A process's standard input is held in memory until written: it meets the one upload
+    limit, refused with 413 before it is read when its length is declared, and named alike."""
+    limit = 1 << 20
+    config = ServerConfig(sweep_interval=None, max_upload_bytes=limit)
+    with ServerThread(tmp_path, backends={"fake": FakeBackend()}, config=config) as server:
+        key = server.new_key("acme")
+        with Client(server.url, key) as client:
+            sb = client.create()
+            proc = sb.start_process("cat", name="cat")
+        url = f"/v1/sandboxes/{sb.id}/processes/{proc.id}/stdin"
+        over = b"i" * (limit + 100_000)  # within the JSON allowance, over the content limit
+
+        def chunked() -> Iterator[bytes]:
+            yield over[: limit // 2]
+            yield over[limit // 2 :]
+
+        with httpx.Client(base_url=server.url, headers=_auth(key), timeout=30) as http:
+            declared = http.put(url, content=over)
+            streamed = http.put(url, content=chunked())
+            for r in (declared, streamed):
+                assert r.status_code == 413, r.text
+                assert r.json()["details"]["limit"] == limit
+                assert r.json()["detail"].startswith("the input")
+                assert f"upload limit of {limit} bytes" in r.json()["detail"]
+            assert f"({len(over)} bytes)" in declared.json()["detail"]
+            assert http.put(url, content=b"i" * limit).status_code == 204
+
+
+def test_json_files_and_process_input_count_as_uploads(tmp_path: Path) -> None:
+    """Both hold their body in memory, so a tenant at its concurrent uploads waits (then 429)
+    for them as for a streamed upload, and gets its slot back after each."""
+    config = ServerConfig(
+        quota=Quota(max_concurrent_uploads=1), admission_timeout=0.5, sweep_interval=None
+    )
+    with ServerThread(tmp_path, backends={"fake": FakeBackend()}, config=config) as server:
+        key = server.new_key("acme")
+        with Client(server.url, key) as client:
+            sb = client.create()
+            proc = sb.start_process("cat", name="cat")
+        files = {"files": [{"path": "/workspace/j", "content": base64.b64encode(b"j").decode()}]}
+        stdin = f"/v1/sandboxes/{sb.id}/processes/{proc.id}/stdin"
+        go_on = threading.Event()
+        sent_first = threading.Event()
+        stalled: dict[str, int] = {}
+
+        def body() -> Iterator[bytes]:
+            yield b"first part, "
+            sent_first.set()
+            go_on.wait(30)
+            yield b"then the rest"
+
+        def stall() -> None:
+            with httpx.Client(base_url=server.url, headers=_auth(key), timeout=30) as http:
+                r = http.put(
+                    f"/v1/sandboxes/{sb.id}/files/content",
+                    params={"path": "/workspace/slow"},
+                    content=body(),
+                )
+                stalled["status"] = r.status_code
+
+        thread = threading.Thread(target=stall)
+        thread.start()
+        try:
+            assert sent_first.wait(10)
+            with httpx.Client(base_url=server.url, headers=_auth(key), timeout=30) as http:
+                # Until the stalled upload holds its slot (the server admits in arrival order).
+                deadline = time.monotonic() + 10
+                while (
+                    refused_json := http.post(f"/v1/sandboxes/{sb.id}/files", json=files)
+                ).status_code != 429 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                refused_input = http.put(stdin, content=b"in")
+                for r in (refused_json, refused_input):
+                    assert r.status_code == 429, r.text
+                    assert "stayed at its limit of 1 concurrent uploads" in r.json()["detail"]
+        finally:
+            go_on.set()
+            thread.join(30)
+        assert stalled == {"status": 200}
+        with httpx.Client(base_url=server.url, headers=_auth(key), timeout=30) as http:
+            assert http.post(f"/v1/sandboxes/{sb.id}/files", json=files).status_code == 200
+            assert http.put(stdin, content=b"in").status_code == 204
+            assert http.put(stdin, content=b"more").status_code == 204

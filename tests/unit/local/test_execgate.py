@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.backends.local.execgate import ExecCall, ExecGate, notif_sizes, shares_memory
+from sandlot.backends.local.execgate import (
+    MAX_ARGS,
+    ExecCall,
+    ExecGate,
+    notif_sizes,
+    shares_memory,
+)
 
 STANDIN = Path(__file__).with_name("notify_standin.py")
 
@@ -271,3 +277,89 @@ def test_closing_with_a_decision_pending_fails_it_closed(tmp_path: Path) -> None
         child.wait()
     assert child.returncode != 0
     assert "[Errno 38]" in err
+
+
+def test_an_argv_over_many_pages_is_read_whole(gate: tuple[ExecGate, Recorder]) -> None:
+    # Strings that cross page boundaries and an argv array of several pages: read whole,
+    # never decided on a prefix.
+    g, rec = gate
+    argv = ["true", "x" * 10_000, *(f"arg{i}" for i in range(3000)), "y" * 5000]
+    out = run(g, *argv)
+    assert out.returncode == 0, out.stderr
+    assert rec.calls[0].argv == tuple(argv)
+    assert rec.calls[0].path == "/usr/bin/true"  # execvp, PATH=/usr/bin:/bin
+
+
+def test_an_argv_past_the_limits_is_denied_unread(gate: tuple[ExecGate, Recorder]) -> None:
+    g, rec = gate
+    out = run(g, "true", *("x" for _ in range(MAX_ARGS)))
+    assert out.returncode != 0
+    assert "[Errno 1]" in out.stderr, out.stderr
+    assert rec.calls == []
+
+
+def test_an_unreadable_argv_is_denied(gate: tuple[ExecGate, Recorder]) -> None:
+    # The kernel would fail this exec with EFAULT; the gate answers before it, with EPERM.
+    g, rec = gate
+    code = (
+        "import ctypes; libc = ctypes.CDLL(None, use_errno=True);"
+        " argv = (ctypes.c_void_p * 2)(4096, None);"
+        " libc.execve(b'/bin/true', argv, None); print(ctypes.get_errno())"
+    )
+    out = run(g, sys.executable, "-c", code)
+    assert out.stdout == "1\n", out
+    assert [c.path for c in rec.calls] == [sys.executable]
+
+
+def test_a_misaligned_argv_across_pages_is_read(gate: tuple[ExecGate, Recorder]) -> None:
+    # Linux takes an argv array at any address; one whose pointer straddles two pages is
+    # read from both.
+    g, rec = gate
+    code = (
+        "import ctypes, mmap, struct; libc = ctypes.CDLL(None, use_errno=True);"
+        " m = mmap.mmap(-1, 8192); s = ctypes.create_string_buffer(b'straddled');"
+        " m[4092:4108] = struct.pack('=QQ', ctypes.addressof(s), 0);"
+        " base = ctypes.addressof(ctypes.c_char.from_buffer(m));"
+        " libc.execve(b'/bin/true', ctypes.c_void_p(base + 4092), None)"
+    )
+    out = run(g, sys.executable, "-c", code)
+    assert out.returncode == 0, out.stderr
+    assert rec.calls[-1].argv == ("straddled",)
+
+
+def test_a_program_that_is_not_there_fails_as_the_kernel_would(
+    gate: tuple[ExecGate, Recorder], tmp_path: Path
+) -> None:
+    # A PATH search tries each entry: those that hold no such file are answered ENOENT with
+    # nothing decided; the one that exists is decided as before.
+    g, rec = gate
+    missing = tmp_path / "nowhere"
+    code = (
+        "import os, subprocess;"
+        f" os.environ['PATH'] = '{missing}:{missing}2:/usr/bin';"
+        "\ntry: subprocess.run(['rm', '-rf', '/nonexistent-strict-test'])"
+        "\nexcept PermissionError: print('denied', flush=True)"
+        f"\nos.execv('{missing}/rm', ['rm'])"
+    )
+    out = run(g, sys.executable, "-c", code)
+    assert out.stdout == "denied\n", out
+    assert "No such file or directory" in out.stderr, out.stderr
+    assert [c.path for c in rec.calls] == [sys.executable, "/usr/bin/rm"]
+
+
+def test_a_program_that_appears_where_one_was_missing_is_decided(
+    gate: tuple[ExecGate, Recorder], tmp_path: Path
+) -> None:
+    # A path once answered ENOENT is looked up again: a program put there is decided.
+    g, rec = gate
+    where = tmp_path / "later"
+    code = (
+        "import os, shutil"
+        f"\ntry: os.execv('{where}/tool', ['tool'])"
+        "\nexcept FileNotFoundError: print('missing', flush=True)"
+        f"\nos.mkdir('{where}'); shutil.copy('/usr/bin/true', '{where}/tool')"
+        f"\nos.execv('{where}/tool', ['tool', 'now'])"
+    )
+    out = run(g, sys.executable, "-c", code)
+    assert (out.returncode, out.stdout) == (0, "missing\n"), out
+    assert [c.argv for c in rec.calls][1:] == [("tool", "now")]
