@@ -105,7 +105,8 @@ def _effective_settings(**flags: tuple[object, str]) -> EffectiveSettings:
         home=_settings.home,
         home_source=None if "home" in given or _settings.home is None else "env SANDLOT_HOME",
         config=config,
-        overrides={**overrides, **flags},
+        # A command's own option left unset must not hide the global flag of the same name.
+        overrides={**overrides, **{k: v for k, v in flags.items() if v[0] is not None}},
     )
 
 
